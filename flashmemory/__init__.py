@@ -1,0 +1,30 @@
+"""FlashMemory: long-context LLM inference with the KV cache as a memory hierarchy."""
+
+from flashmemory.config import EngineConfig
+from flashmemory.engine.engine import FlashMemoryEngine
+from flashmemory.engine.sampling import SamplingParams
+from flashmemory.errors import (
+    ConfigError,
+    CorruptWeightsError,
+    FlashMemoryError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    SamplingParamsError,
+    UnsupportedModelError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "CorruptWeightsError",
+    "EngineConfig",
+    "FlashMemoryEngine",
+    "FlashMemoryError",
+    "ModelNotFoundError",
+    "PromptTooLongError",
+    "SamplingParams",
+    "SamplingParamsError",
+    "UnsupportedModelError",
+    "__version__",
+]

@@ -1,0 +1,1 @@
+"""The public engine: FlashMemoryEngine, sampling and generation."""

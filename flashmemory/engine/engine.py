@@ -1,0 +1,187 @@
+"""FlashMemoryEngine: the public Python API — load a model once, then generate, stream or chat."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from flashmemory.config import EngineConfig
+from flashmemory.engine.sampling import Sampler, SamplingParams
+from flashmemory.engine.stats import GenerationStats, peak_memory
+from flashmemory.engine.stop import StopStringMatcher
+from flashmemory.errors import ConfigError, PromptTooLongError
+from flashmemory.kvcache.contiguous import ContiguousKVCache
+from flashmemory.kvcache.interface import ForwardBatch, KVCache
+from flashmemory.model.loader import build_model, open_checkpoint
+from flashmemory.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+Messages = list[dict[str, str]]
+
+
+class FlashMemoryEngine:
+    """Owns a loaded model, its tokenizer and its KV cache; serves generate / stream / chat calls."""
+
+    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)
+        self.device = self.config.resolve_device()
+        self.dtype = self.config.resolve_dtype(self.device)
+        started = time.perf_counter()
+        checkpoint = open_checkpoint(self.config.model_path)
+        self.model_path = checkpoint.path
+        self.model_config = checkpoint.config
+        model_limit = checkpoint.config.max_position_embeddings
+        if self.config.max_seq_len is not None and self.config.max_seq_len > model_limit:
+            raise ConfigError(
+                f"max_seq_len={self.config.max_seq_len} is greater than the model's maximum context length "
+                f"({model_limit} tokens, max_position_embeddings); lower max_seq_len or leave it unset"
+            )
+        self.max_seq_len = self.config.max_seq_len or model_limit
+        self.model = build_model(checkpoint, self.device, self.dtype)
+        self.tokenizer = Tokenizer.from_checkpoint(checkpoint.path, checkpoint.config.eos_token_ids)
+        self.cache: KVCache = ContiguousKVCache(
+            num_layers=self.model_config.num_layers,
+            num_kv_heads=self.model_config.num_kv_heads,
+            head_dim=self.model_config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            max_seq_len=self.max_seq_len,
+            sliding_window_tokens=self.model_config.sliding_window_tokens,
+        )
+        self._seq_ids = itertools.count()
+        self.last_stats = GenerationStats()
+        self.load_seconds = time.perf_counter() - started
+        logger.info(
+            "loaded %s (%s, %d layers) on %s as %s in %.1f s",
+            self.model_path.name, self.model_config.architecture, self.model_config.num_layers,
+            self.device, str(self.dtype).removeprefix("torch."), self.load_seconds,
+        )
+
+    # ---- public API -------------------------------------------------------------------------------------------
+
+    def generate(self, prompt: str | list[int], **sampling: Any) -> str:
+        """Complete `prompt` (text or token ids); returns the generated text."""
+        return "".join(self.stream(prompt, **sampling))
+
+    def stream(self, prompt: str | list[int], **sampling: Any) -> Iterator[str]:
+        """Complete `prompt`, yielding text pieces as they are decoded."""
+        started = time.perf_counter()
+        params = _sampling_params(sampling)
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self._stream_ids(prompt_ids, params, started)
+
+    def chat(self, messages: Messages, **sampling: Any) -> str:
+        """Answer a conversation ([{"role": ..., "content": ...}, ...]) through the model's chat template."""
+        return "".join(self.stream_chat(messages, **sampling))
+
+    def stream_chat(self, messages: Messages, **sampling: Any) -> Iterator[str]:
+        started = time.perf_counter()
+        params = _sampling_params(sampling)
+        return self._stream_ids(self.tokenizer.apply_chat_template(messages), params, started)
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 logits [len(token_ids), vocab] of one forward over the tokens (for evaluation and tests)."""
+        self._check_prompt(token_ids, max_new_tokens=0)
+        seq_id = next(self._seq_ids)
+        self.cache.add_sequence(seq_id)
+        try:
+            return self._forward(seq_id, token_ids, all_logits=True)
+        finally:
+            self.cache.free_sequence(seq_id)
+
+    def clear_cache(self) -> None:
+        """Free every sequence's KV."""
+        self.cache.clear()
+
+    # ---- generation -------------------------------------------------------------------------------------------
+
+    def _check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        if not prompt_ids:
+            raise ConfigError("the prompt is empty: give at least one token of text")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"token id(s) {bad[:5]} are outside the vocabulary [0, {vocab})")
+        n = len(prompt_ids)
+        if n >= self.max_seq_len:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_seq_len} tokens. However, you requested "
+                f"{n + max_new_tokens} tokens ({n} in the prompt, {max_new_tokens} in the completion). "
+                "Please reduce the length of the prompt.",
+                max_model_len=self.max_seq_len,
+                num_prompt_tokens=n,
+            )
+
+    def _forward(self, seq_id: int, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        num_cached = self.cache.num_tokens(seq_id)
+        batch = ForwardBatch.build([(seq_id, num_cached, len(token_ids))], self.device)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        last = None if all_logits else torch.tensor([len(token_ids) - 1], device=self.device)
+        logits = self.model(input_ids, self.cache, batch, logits_indices=last)
+        self.cache.commit(batch)
+        return logits
+
+    def _stream_ids(self, prompt_ids: list[int], params: SamplingParams, started: float) -> Iterator[str]:
+        self._check_prompt(prompt_ids, params.max_new_tokens)
+        # Generator body: validation above raises at call time, the rest runs as the caller iterates.
+        return self._generation_loop(prompt_ids, params, started)
+
+    def _generation_loop(self, prompt_ids: list[int], params: SamplingParams, started: float) -> Iterator[str]:
+        stats = GenerationStats(num_prompt_tokens=len(prompt_ids))
+        self.last_stats = stats
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        sampler = Sampler(params, self.device)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        stopper = StopStringMatcher(params.stop)
+        max_new = min(params.max_new_tokens, self.max_seq_len - len(prompt_ids))
+        seq_id = next(self._seq_ids)
+        self.cache.add_sequence(seq_id)
+        try:
+            t0 = time.perf_counter()
+            logits = self._forward(seq_id, prompt_ids)[-1]
+            stats.prefill_seconds = time.perf_counter() - t0
+            first_token_at = None
+            stats.finish_reason = "length"
+            for step in range(max_new):
+                token = sampler.sample(logits)
+                stats.num_generated_tokens += 1
+                if first_token_at is None:
+                    first_token_at = time.perf_counter()
+                    stats.time_to_first_token_s = first_token_at - started
+                if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
+                    stats.finish_reason = "stop"
+                    break
+                piece = stopper.feed(detok.add(token))
+                if piece:
+                    yield piece
+                if stopper.stopped:
+                    stats.finish_reason = "stop"
+                    break
+                if step + 1 < max_new:
+                    logits = self._forward(seq_id, [token])[-1]
+            if not stopper.stopped:
+                tail = stopper.feed(detok.flush()) + stopper.flush()
+                if tail:
+                    yield tail
+            if first_token_at is not None:
+                stats.decode_seconds = time.perf_counter() - first_token_at
+        finally:
+            self.cache.free_sequence(seq_id)
+            stats.peak_memory_bytes, stats.memory_kind = peak_memory(self.device)
+
+
+def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:
+    valid = SamplingParams.__dataclass_fields__
+    unknown = sorted(set(sampling) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown sampling setting(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+    return SamplingParams(**sampling)

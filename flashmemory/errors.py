@@ -1,0 +1,40 @@
+"""Typed errors: everything a user, a file or the disk can cause raises one of these."""
+
+from __future__ import annotations
+
+
+class FlashMemoryError(Exception):
+    """Base class of every error FlashMemory raises on purpose."""
+
+
+class ConfigError(FlashMemoryError, ValueError):
+    """An engine or CLI setting is unknown or out of range."""
+
+
+class ModelNotFoundError(FlashMemoryError, FileNotFoundError):
+    """The model path does not exist, is unreadable, or holds no model."""
+
+
+class UnsupportedModelError(FlashMemoryError, ValueError):
+    """The checkpoint's architecture, tensor type or config is not one we run."""
+
+
+class CorruptWeightsError(FlashMemoryError, ValueError):
+    """A weights file is truncated, malformed, or misses tensors the config requires."""
+
+
+class PromptTooLongError(FlashMemoryError, ValueError):
+    """The prompt (plus requested tokens) does not fit the model's context."""
+
+    def __init__(self, message: str, *, max_model_len: int, num_prompt_tokens: int) -> None:
+        super().__init__(message)
+        self.max_model_len = max_model_len
+        self.num_prompt_tokens = num_prompt_tokens
+
+
+class SamplingParamsError(FlashMemoryError, ValueError):
+    """A sampling parameter (temperature, top_p, ...) is invalid."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.param = param

@@ -1,0 +1,101 @@
+"""ContiguousKVCache: the exact baseline — every token's K/V in one growing tensor per sequence, in model dtype."""
+
+from __future__ import annotations
+
+import torch
+
+from flashmemory.kvcache.attention import causal_attention
+from flashmemory.kvcache.interface import ForwardBatch, KVCache
+
+GROWTH_TOKENS = 256  # capacity is rounded up to this, then doubled, so a long generation reallocates O(log n) times
+
+
+class ContiguousKVCache(KVCache):
+    """Owns one [num_layers, 2, num_kv_heads, capacity, head_dim] tensor per sequence; attention reads all of it."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_seq_len: int,
+        sliding_window_tokens: int | None = None,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.max_seq_len = max_seq_len
+        self.sliding_window_tokens = sliding_window_tokens
+        self._kv: dict[int, torch.Tensor] = {}
+        self._lengths: dict[int, int] = {}
+
+    def add_sequence(self, seq_id: int) -> None:
+        if seq_id in self._kv:
+            raise ValueError(f"sequence {seq_id} already exists")
+        self._kv[seq_id] = self._allocate(GROWTH_TOKENS)
+        self._lengths[seq_id] = 0
+
+    def free_sequence(self, seq_id: int) -> None:
+        self._kv.pop(seq_id, None)
+        self._lengths.pop(seq_id, None)
+
+    def sequence_ids(self) -> list[int]:
+        return list(self._kv)
+
+    def num_tokens(self, seq_id: int) -> int:
+        return self._lengths[seq_id]
+
+    def _allocate(self, capacity: int) -> torch.Tensor:
+        shape = (self.num_layers, 2, self.num_kv_heads, capacity, self.head_dim)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def _reserve(self, seq_id: int, needed: int) -> torch.Tensor:
+        kv = self._kv[seq_id]
+        capacity = kv.shape[3]
+        if needed <= capacity:
+            return kv
+        new_capacity = min(max(needed, 2 * capacity), max(self.max_seq_len, needed))
+        new_capacity = -(-new_capacity // GROWTH_TOKENS) * GROWTH_TOKENS
+        grown = self._allocate(new_capacity)
+        length = self._lengths[seq_id]
+        grown[:, :, :, :length] = kv[:, :, :, :length]
+        self._kv[seq_id] = grown
+        return grown
+
+    def attend(
+        self, layer_idx: int, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        if len(batch.slices) == 1:
+            return self._attend_one(layer_idx, batch.slices[0], q, k, v)
+        out = torch.empty_like(q)
+        for s in batch.slices:
+            sl = slice(s.token_start, s.token_end)
+            out[sl] = self._attend_one(layer_idx, s, q[sl], k[sl], v[sl])
+        return out
+
+    def _attend_one(self, layer_idx, s, q, k, v) -> torch.Tensor:
+        # q: [n, num_heads, head_dim]; k, v: [n, num_kv_heads, head_dim]
+        start, end = s.num_cached_tokens, s.num_cached_tokens + s.num_new_tokens
+        kv = self._reserve(s.seq_id, end)[layer_idx]  # [2, num_kv_heads, capacity, head_dim]
+        kv[0, :, start:end] = k.transpose(0, 1)
+        kv[1, :, start:end] = v.transpose(0, 1)
+        return causal_attention(q, kv[0, :, :end], kv[1, :, :end], start, self.sliding_window_tokens)
+
+    def commit(self, batch: ForwardBatch) -> None:
+        for s in batch.slices:
+            self._lengths[s.seq_id] = s.num_cached_tokens + s.num_new_tokens
+
+    def stats(self) -> dict[str, int | float]:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        tokens = sum(self._lengths.values())
+        return {
+            "num_sequences": len(self._kv),
+            "num_tokens": tokens,
+            "kv_bytes_used": tokens * per_token,
+            "kv_bytes_allocated": sum(kv.numel() * element for kv in self._kv.values()),
+        }

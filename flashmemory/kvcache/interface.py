@@ -1,0 +1,95 @@
+"""The KV-cache interface: the only way the decoder's attention reaches keys and values."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SequenceSlice:
+    """One sequence's share of a flattened forward batch."""
+
+    seq_id: int
+    token_start: int  # index of the sequence's first new token in the batch's token dimension
+    num_new_tokens: int
+    num_cached_tokens: int  # tokens of this sequence already in the cache before this forward
+
+    @property
+    def token_end(self) -> int:
+        return self.token_start + self.num_new_tokens
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """Which sequences a forward pass extends, and by how many tokens each (tokens are flattened, no padding)."""
+
+    slices: tuple[SequenceSlice, ...]
+    positions: torch.Tensor  # [num_tokens] absolute position of every new token
+    max_position: int  # largest entry of `positions`, kept as a Python int to avoid a device sync
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @classmethod
+    def build(cls, new_tokens: list[tuple[int, int, int]], device: torch.device) -> "ForwardBatch":
+        """From (seq_id, num_cached_tokens, num_new_tokens) triples, in batch order."""
+        slices, ranges, start, max_position = [], [], 0, 0
+        for seq_id, num_cached, num_new in new_tokens:
+            slices.append(SequenceSlice(seq_id, start, num_new, num_cached))
+            ranges.append(torch.arange(num_cached, num_cached + num_new))
+            start += num_new
+            max_position = max(max_position, num_cached + num_new - 1)
+        positions = torch.cat(ranges).to(device)
+        return cls(tuple(slices), positions, max_position)
+
+
+class KVCache(ABC):
+    """Owns the keys and values of every live sequence and computes attention over them.
+
+    The decoder hands each layer's post-RoPE keys and values of the new tokens to `attend`, which stores
+    them and returns the attention output. Where the old keys live (device, host, disk), at what precision,
+    and which of them are read, is the implementation's business: model code never sees it.
+    """
+
+    @abstractmethod
+    def add_sequence(self, seq_id: int) -> None:
+        """Start an empty sequence."""
+
+    @abstractmethod
+    def free_sequence(self, seq_id: int) -> None:
+        """Release everything the sequence holds, on every level."""
+
+    @abstractmethod
+    def num_tokens(self, seq_id: int) -> int:
+        """Tokens of the sequence stored so far (committed forwards only)."""
+
+    @abstractmethod
+    def attend(
+        self, layer_idx: int, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Store k, v [T, num_kv_heads, head_dim] of the new tokens; return causal attention [T, num_heads, head_dim]
+        of q [T, num_heads, head_dim] over each sequence's earlier and new tokens."""
+
+    @abstractmethod
+    def commit(self, batch: ForwardBatch) -> None:
+        """Called once after all layers of a forward: the new tokens become part of their sequences."""
+
+    def has_sequence(self, seq_id: int) -> bool:
+        return seq_id in self.sequence_ids()
+
+    @abstractmethod
+    def sequence_ids(self) -> list[int]:
+        """Ids of the live sequences."""
+
+    def clear(self) -> None:
+        """Free every sequence."""
+        for seq_id in list(self.sequence_ids()):
+            self.free_sequence(seq_id)
+
+    @abstractmethod
+    def stats(self) -> dict[str, int | float]:
+        """Counters for users and metrics (bytes, tokens, sequences)."""

@@ -1,0 +1,141 @@
+"""Read a GGUF checkpoint: metadata -> ModelConfig, tensors dequantized (via the `gguf` package) into HF layout."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from flashmemory.errors import CorruptWeightsError, UnsupportedModelError
+from flashmemory.model.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# Tensor types we dequantize; the `gguf` package's numpy kernels do the arithmetic.
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Metadata arrays we never need here (the tokenizer is rebuilt by transformers from the file itself).
+_SKIPPED_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    return None
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's convert-time permutation of q/k rows (interleaved -> rotate-half layout)."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    # [num_heads, half, 2, ...] -> [num_heads, 2, half, ...]
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+class GGUFCheckpoint(Mapping[str, torch.Tensor]):
+    """Owns an open GGUF file; maps HF tensor names to dequantized float32 tensors on demand."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        self.path = path
+        try:
+            self._reader = gguf.GGUFReader(str(path))
+        except (ValueError, IndexError, OSError, KeyError) as e:
+            raise CorruptWeightsError(
+                f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it may be truncated or corrupt — "
+                "download it again"
+            ) from e
+        file_size = path.stat().st_size
+        needed = max((t.data_offset + int(t.n_bytes) for t in self._reader.tensors), default=0)
+        if file_size < needed:
+            raise CorruptWeightsError(
+                f"{path} is truncated: its tensors need {needed} bytes, the file has {file_size}; download it again"
+            )
+        self.metadata = self._read_metadata()
+        self._by_hf_name: dict[str, Any] = {}
+        for t in self._reader.tensors:
+            name = hf_tensor_name(t.name)
+            if name is None:
+                logger.debug("ignoring GGUF tensor %s", t.name)
+                continue
+            if t.tensor_type.name not in SUPPORTED_GGUF_TYPES:
+                raise UnsupportedModelError(
+                    f"GGUF tensor {t.name} has type {t.tensor_type.name}; supported: {', '.join(SUPPORTED_GGUF_TYPES)}"
+                )
+            self._by_hf_name[name] = t
+        self.config = ModelConfig.from_gguf_metadata(
+            self.metadata,
+            has_output_weight="lm_head.weight" in self._by_hf_name,
+            has_qkv_bias="model.layers.0.self_attn.q_proj.bias" in self._by_hf_name,
+        )
+        self._permuted = self.metadata.get("general.architecture") == "llama"
+
+    def _read_metadata(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {}
+        for key, field in self._reader.fields.items():
+            if key in _SKIPPED_ARRAYS:
+                continue
+            try:
+                meta[key] = field.contents()
+            except (ValueError, IndexError, AttributeError, UnicodeDecodeError):
+                logger.debug("unreadable GGUF metadata field %s", key)
+        return meta
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        import gguf
+
+        t = self._by_hf_name[name]
+        array = gguf.quants.dequantize(t.data, t.tensor_type)
+        # numpy shape is the GGML shape reversed: [rows, cols] as torch expects.
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if not array.flags.writeable:  # F32/F16 tensors come back as views of the read-only file map
+            array = array.copy()
+        tensor = torch.from_numpy(array).reshape(shape)
+        cfg = self.config
+        if self._permuted and name.endswith("q_proj.weight"):
+            tensor = unpermute_rope_rows(tensor, cfg.num_heads)
+        elif self._permuted and name.endswith("k_proj.weight"):
+            tensor = unpermute_rope_rows(tensor, cfg.num_kv_heads)
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_hf_name)
+
+    def __len__(self) -> int:
+        return len(self._by_hf_name)
+
+    def tensor_type_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for t in self._by_hf_name.values():
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        return counts

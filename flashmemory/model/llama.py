@@ -1,0 +1,169 @@
+"""Our Llama-family decoder (Llama 2/3.x, Mistral, Qwen2, SmolLM): RMSNorm, SwiGLU, GQA, RoPE; KV via KVCache."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from flashmemory.errors import CorruptWeightsError
+from flashmemory.kvcache.interface import ForwardBatch, KVCache
+from flashmemory.model.model_config import ModelConfig
+from flashmemory.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as the reference implementations do."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention; q/k/v are one fused projection."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, batch: ForwardBatch
+    ) -> torch.Tensor:
+        # x: [T, hidden]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = RotaryEmbedding.apply(q, cos, sin)
+        k = RotaryEmbedding.apply(k, cos, sin)  # keys are cached after RoPE
+        out = cache.attend(self.layer_idx, batch, q, k, v)  # [T, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward; gate and up are one fused projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm MLP block, each with a residual."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The whole decoder: embeddings, layers, final norm and LM head (possibly tied to the embeddings)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, self.device
+        )
+        self.requires_grad_(False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        batch: ForwardBatch,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [T] (flattened over the batch's sequences) -> float32 logits [len(logits_indices) or T, vocab].
+
+        The cache is extended by the batch's new tokens; call `cache.commit(batch)` afterwards.
+        """
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(batch.positions, batch.max_position)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, batch)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        x = self.norm(x)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight).float()
+
+    def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor], progress: bool = False) -> None:
+        """Take tensors named as in Hugging Face checkpoints (model.layers.N.self_attn.q_proj.weight, ...)."""
+        cfg = self.config
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise CorruptWeightsError(
+                    f"the checkpoint has no tensor {name!r}, which its config requires; the weights file is "
+                    "incomplete or belongs to a different model"
+                )
+            return tensors[name]
+
+        def put(param_owner: nn.Module, attr: str, value: torch.Tensor, expected: tuple[int, ...]) -> None:
+            if tuple(value.shape) != expected:
+                raise CorruptWeightsError(
+                    f"tensor for {attr} has shape {tuple(value.shape)}, the config implies {expected}"
+                )
+            setattr(param_owner, attr, nn.Parameter(value.to(self.device, self.dtype), requires_grad=False))
+
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        put(self.embed_tokens, "weight", take("model.embed_tokens.weight"), (cfg.vocab_size, hidden))
+        put(self.norm, "weight", take("model.norm.weight"), (hidden,))
+        if self.lm_head is not None:
+            put(self.lm_head, "weight", take("lm_head.weight"), (cfg.vocab_size, hidden))
+        for i, layer in enumerate(tqdm(self.layers, desc="loading layers", unit="layer", disable=not progress)):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            put(layer.input_layernorm, "weight", take(p + "input_layernorm.weight"), (hidden,))
+            put(layer.post_attention_layernorm, "weight", take(p + "post_attention_layernorm.weight"), (hidden,))
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            put(attn.qkv_proj, "weight", qkv, (q_size + 2 * kv_size, hidden))
+            if cfg.qkv_bias:
+                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                put(attn.qkv_proj, "bias", bias, (q_size + 2 * kv_size,))
+            put(attn.o_proj, "weight", take(p + "self_attn.o_proj.weight"), (hidden, q_size))
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            put(mlp.gate_up_proj, "weight", gate_up, (2 * inter, hidden))
+            put(mlp.down_proj, "weight", take(p + "mlp.down_proj.weight"), (hidden, inter))
+
+    def num_parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())

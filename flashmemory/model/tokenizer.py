@@ -1,0 +1,136 @@
+"""Tokenizer and chat template through transformers, for safetensors folders and GGUF files alike."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from flashmemory.errors import ConfigError, ModelNotFoundError
+
+logger = logging.getLogger(__name__)
+
+_FINGERPRINT_BYTES = 16 * 1024 * 1024  # GGUF metadata (the whole tokenizer) lives at the start of the file
+
+
+def cache_root() -> Path:
+    """Where derived artefacts (converted tokenizers) are kept: $FLASHMEMORY_CACHE_DIR or ~/.cache/flashmemory."""
+    env = os.environ.get("FLASHMEMORY_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "flashmemory"
+
+
+def file_fingerprint(path: Path) -> str:
+    """A short hash of a file's size and leading bytes; changes when a GGUF's metadata changes."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with path.open("rb") as f:
+        h.update(f.read(_FINGERPRINT_BYTES))
+    return h.hexdigest()[:16]
+
+
+def _load_gguf_tokenizer(gguf_path: Path):
+    from transformers import AutoTokenizer
+
+    # Building a tokenizer from GGUF metadata takes seconds; keep the converted copy keyed by the file's fingerprint.
+    cached = cache_root() / "tokenizers" / file_fingerprint(gguf_path)
+    if (cached / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except (OSError, ValueError) as e:
+            logger.warning("cached tokenizer at %s is unusable (%s); rebuilding it", cached, e)
+            shutil.rmtree(cached, ignore_errors=True)
+    logger.info("building the tokenizer from %s (once; cached in %s)", gguf_path.name, cached)
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    staging: Path | None = None
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-"))
+        tok.save_pretrained(str(staging))
+        os.replace(staging, cached)  # atomic: a reader sees the whole folder or none
+    except OSError as e:
+        logger.warning("could not cache the tokenizer in %s: %s", cached, e)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    return tok
+
+
+class Tokenizer:
+    """Owns a transformers tokenizer: encode, decode, chat template, end-of-sequence ids."""
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int]) -> None:
+        self.hf = hf_tokenizer
+        ids = set(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            ids.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(ids)
+
+    @classmethod
+    def from_checkpoint(cls, path: Path, eos_token_ids: list[int]) -> "Tokenizer":
+        from transformers import AutoTokenizer
+
+        if path.is_file():
+            return cls(_load_gguf_tokenizer(path), eos_token_ids)
+        try:
+            return cls(AutoTokenizer.from_pretrained(str(path)), eos_token_ids)
+        except (OSError, ValueError) as e:
+            raise ModelNotFoundError(
+                f"{path} has no usable tokenizer ({e}); the folder needs tokenizer.json or tokenizer.model "
+                "with tokenizer_config.json"
+            ) from e
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        if not self.has_chat_template:
+            raise ConfigError("this model's tokenizer has no chat template; send a plain prompt instead of messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ConfigError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        # The template already wrote any BOS it wants: don't add special tokens twice.
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text pieces, never emitting half of a multi-byte character."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        # A few prompt tokens give the decoder left context (leading-space handling of SentencePiece tokenizers).
+        context = list(prompt_ids[-4:]) if prompt_ids else []
+        self.ids: list[int] = context
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes (possibly empty)."""
+        self.ids.append(token_id)
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return full_text[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """Text of trailing tokens still held back (an incomplete character at the very end stays as U+FFFD)."""
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full_text[len(prefix_text) :]
