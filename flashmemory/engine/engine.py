@@ -38,11 +38,11 @@ class FlashMemoryEngine:
         checkpoint = open_checkpoint(self.config.model_path)
         self.model_path = checkpoint.path
         self.model_config = checkpoint.config
-        model_limit = checkpoint.config.max_position_embeddings
+        model_limit = checkpoint.config.max_context_tokens
         if self.config.max_seq_len is not None and self.config.max_seq_len > model_limit:
             raise ConfigError(
                 f"max_seq_len={self.config.max_seq_len} is greater than the model's maximum context length "
-                f"({model_limit} tokens, max_position_embeddings); lower max_seq_len or leave it unset"
+                f"({model_limit} tokens); lower max_seq_len or leave it unset"
             )
         self.max_seq_len = self.config.max_seq_len or model_limit
         self.model = build_model(checkpoint, self.device, self.dtype)
@@ -86,6 +86,15 @@ class FlashMemoryEngine:
         started = time.perf_counter()
         params = _sampling_params(sampling)
         return self._stream_ids(self.tokenizer.apply_chat_template(messages), params, started)
+
+    def generate_token_ids(self, prompt: str | list[int], **sampling: Any) -> list[int]:
+        """Complete `prompt`; returns the generated token ids (end-of-sequence token excluded)."""
+        started = time.perf_counter()
+        params = _sampling_params(sampling)
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(prompt_ids, params.max_new_tokens)
+        loop = self._generation_loop(prompt_ids, params, started)
+        return [token for token, _ in loop if token is not None]
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [len(token_ids), vocab] of one forward over the tokens (for evaluation and tests)."""
@@ -131,10 +140,13 @@ class FlashMemoryEngine:
 
     def _stream_ids(self, prompt_ids: list[int], params: SamplingParams, started: float) -> Iterator[str]:
         self._check_prompt(prompt_ids, params.max_new_tokens)
-        # Generator body: validation above raises at call time, the rest runs as the caller iterates.
-        return self._generation_loop(prompt_ids, params, started)
+        # Validation above raises at call time; the generation runs as the caller iterates.
+        return (piece for _, piece in self._generation_loop(prompt_ids, params, started) if piece)
 
-    def _generation_loop(self, prompt_ids: list[int], params: SamplingParams, started: float) -> Iterator[str]:
+    def _generation_loop(
+        self, prompt_ids: list[int], params: SamplingParams, started: float
+    ) -> Iterator[tuple[int | None, str]]:
+        """Yields (token id, text it releases) per generated token, then (None, held-back tail) at the end."""
         stats = GenerationStats(num_prompt_tokens=len(prompt_ids))
         self.last_stats = stats
         if self.device.type == "cuda":
@@ -160,9 +172,7 @@ class FlashMemoryEngine:
                 if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
                     stats.finish_reason = "stop"
                     break
-                piece = stopper.feed(detok.add(token))
-                if piece:
-                    yield piece
+                yield token, stopper.feed(detok.add(token))
                 if stopper.stopped:
                     stats.finish_reason = "stop"
                     break
@@ -171,7 +181,7 @@ class FlashMemoryEngine:
             if not stopper.stopped:
                 tail = stopper.feed(detok.flush()) + stopper.flush()
                 if tail:
-                    yield tail
+                    yield None, tail
             if first_token_at is not None:
                 stats.decode_seconds = time.perf_counter() - first_token_at
         finally:

@@ -56,6 +56,18 @@ class ModelConfig:
             )
 
     @property
+    def max_context_tokens(self) -> int:
+        """The longest context the checkpoint supports, counting rope scaling as vLLM does."""
+        scaling = self.rope_scaling or {}
+        rope_type, factor = scaling.get("rope_type", "default"), scaling.get("factor") or 1.0
+        if rope_type in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * factor)
+        if rope_type == "yarn":
+            original = scaling.get("original_max_position_embeddings", self.max_position_embeddings)
+            return max(self.max_position_embeddings, int(original * factor))
+        return self.max_position_embeddings  # llama3 configs already state the extended length
+
+    @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 

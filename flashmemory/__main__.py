@@ -1,0 +1,5 @@
+import sys
+
+from flashmemory.cli import main
+
+sys.exit(main())

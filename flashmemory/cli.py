@@ -1,0 +1,117 @@
+"""The `flashmemory` command: generate (more subcommands arrive with the KV hierarchy, server and tools)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from flashmemory.errors import FlashMemoryError
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="stream a completion (or a chat answer with --chat) from a model",
+        description="Stream a completion to stdout; a one-line summary (prompt tokens, time to first token, "
+        "decode tokens/s, peak memory) goes to stderr.",
+    )
+    p.add_argument("--model", default=None, help="GGUF file or HF safetensors folder (default: embedded SmolLM2)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from this file")
+    p.add_argument("--chat", action="store_true", help="treat the prompt as a user message and apply the chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--max-seq-len", type=int, default=None, help="context limit in tokens (default: the model's)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.set_defaults(func=_run_generate)
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise FlashMemoryError(f"cannot read --prompt-file {args.prompt_file!r}: {e.strerror}") from e
+        except UnicodeDecodeError as e:
+            raise FlashMemoryError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text ({e.reason})") from e
+    if sys.stdin.isatty():
+        raise FlashMemoryError("no prompt: give --prompt TEXT, --prompt-file FILE, or pipe text on stdin")
+    return sys.stdin.read()
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from flashmemory.engine.engine import FlashMemoryEngine
+    from flashmemory.engine.sampling import SamplingParams
+
+    prompt = _read_prompt(args)
+    if not prompt.strip():
+        raise FlashMemoryError("the prompt is empty")
+    if args.system is not None and not args.chat:
+        raise FlashMemoryError("--system only applies with --chat")
+    # Validate sampling before the (slow) model load, so a typo fails in milliseconds.
+    params = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+    )
+    SamplingParams(**params)
+    engine = FlashMemoryEngine(
+        model_path=args.model, device=args.device, dtype=args.dtype,
+        max_seq_len=args.max_seq_len, num_threads=args.threads,
+    )
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+        messages.append({"role": "user", "content": prompt})
+        pieces = engine.stream_chat(messages, **params)
+    else:
+        pieces = engine.stream(prompt, **params)
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(engine.last_stats.summary(), file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashmemory", description="FlashMemory long-context LLM inference")
+    parser.add_argument("--log-level", default=os.environ.get("FLASHMEMORY_LOG_LEVEL", "WARNING"),
+                        help="DEBUG, INFO, WARNING (default) or ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except FlashMemoryError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Operator tools: diagnose, mats, doctor, bench."""

@@ -1,0 +1,55 @@
+"""GGUF loading: metadata, llama.cpp's q/k permutation, tied output, and every quantized type we dequantize."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashmemory.kvcache.contiguous import ContiguousKVCache
+from flashmemory.kvcache.interface import ForwardBatch
+from flashmemory.model.loader import build_model, open_checkpoint
+from tests.helpers import write_tiny_gguf, write_tiny_model
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    cfg = model.config
+    cache = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"), 256)
+    cache.add_sequence(0)
+    batch = ForwardBatch.build([(0, 0, len(ids))], torch.device("cpu"))
+    return model(torch.tensor(ids), cache, batch)
+
+
+def _hf_logits_with(hf_model, reference: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
+    hf_model.load_state_dict(reference, strict=False)
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+def test_gguf_llama_matches_transformers_on_the_dequantized_weights(tmp_path, qtype):
+    hf = write_tiny_model(tmp_path / "hf", "LlamaForCausalLM", hidden_size=64, intermediate_size=128)
+    reference = write_tiny_gguf(tmp_path / "tiny.gguf", hf, qtype)
+    ckpt = open_checkpoint(tmp_path / "tiny.gguf")
+    assert ckpt.format == "gguf" and ckpt.config.architecture == "LlamaForCausalLM"
+    assert ckpt.config.num_kv_heads == 2 and ckpt.config.head_dim == 16
+    model = build_model(ckpt, torch.device("cpu"), torch.float32)
+    ids = list(range(3, 60))
+    assert (_logits(model, ids) - _hf_logits_with(hf, reference, ids)).abs().max().item() <= 1e-4
+
+
+def test_gguf_qwen2_with_qkv_bias_and_tied_embeddings(tmp_path):
+    hf = write_tiny_model(tmp_path / "hf", "Qwen2ForCausalLM", tie_word_embeddings=True)
+    reference = write_tiny_gguf(tmp_path / "q.gguf", hf, "F32", arch="qwen2")
+    ckpt = open_checkpoint(tmp_path / "q.gguf")
+    assert ckpt.config.qkv_bias and ckpt.config.tie_word_embeddings
+    model = build_model(ckpt, torch.device("cpu"), torch.float32)
+    ids = list(range(3, 40))
+    assert (_logits(model, ids) - _hf_logits_with(hf, reference, ids)).abs().max().item() <= 1e-4
+
+
+def test_embedded_smollm2_metadata(smollm2_path):
+    ckpt = open_checkpoint(smollm2_path)
+    cfg = ckpt.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
+    assert cfg.max_position_embeddings == 8192 and cfg.tie_word_embeddings
+    assert ckpt.tensors.tensor_type_counts().keys() >= {"Q4_1", "Q8_0", "F32"}
