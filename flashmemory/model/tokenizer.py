@@ -31,6 +31,12 @@ def file_fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _build_from_gguf(gguf_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
 def _load_gguf_tokenizer(gguf_path: Path):
     from transformers import AutoTokenizer
 
@@ -39,11 +45,11 @@ def _load_gguf_tokenizer(gguf_path: Path):
     if (cached / "tokenizer_config.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(cached))
-        except (OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - any failure of a cached copy means: rebuild it
             logger.warning("cached tokenizer at %s is unusable (%s); rebuilding it", cached, e)
             shutil.rmtree(cached, ignore_errors=True)
     logger.info("building the tokenizer from %s (once; cached in %s)", gguf_path.name, cached)
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok = _build_from_gguf(gguf_path)
     staging: Path | None = None
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,117 @@
+"""FlashMemoryEngine's public API on a tiny random model: config errors, prompt limits, generate/stream/chat."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashmemory import FlashMemoryEngine
+from flashmemory.errors import ConfigError, PromptTooLongError, SamplingParamsError
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return FlashMemoryEngine(model_path=str(tiny_llama), max_seq_len=128)
+
+
+def test_unknown_engine_keyword_lists_the_valid_ones(tiny_llama):
+    with pytest.raises(ConfigError) as e:
+        FlashMemoryEngine(model_path=str(tiny_llama), max_gpu_memory=100)
+    assert "max_gpu_memory" in str(e.value)
+    for valid in ("model_path", "device", "dtype", "max_seq_len"):
+        assert valid in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"dtype": "int3"}, "dtype"), ({"device": "tpu"}, "device"), ({"max_seq_len": 0}, "max_seq_len"),
+     ({"num_threads": 0}, "num_threads")],
+)
+def test_invalid_engine_setting_is_rejected(tiny_llama, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        FlashMemoryEngine(model_path=str(tiny_llama), **kwargs)
+
+
+def test_cuda_requested_without_cuda_says_so(tiny_llama):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        FlashMemoryEngine(model_path=str(tiny_llama), device="cuda")
+
+
+def test_max_seq_len_above_the_model_limit_is_rejected(tiny_llama):
+    with pytest.raises(ConfigError, match="greater than the model's maximum context length"):
+        FlashMemoryEngine(model_path=str(tiny_llama), max_seq_len=100_000)
+
+
+def test_prompt_longer_than_the_context_says_both_numbers(engine):
+    with pytest.raises(PromptTooLongError) as e:
+        engine.generate(list(range(3, 200)), max_new_tokens=5)
+    msg = str(e.value)
+    assert "maximum context length is 128 tokens" in msg and "197 in the prompt" in msg
+    assert e.value.max_model_len == 128 and e.value.num_prompt_tokens == 197
+
+
+def test_empty_prompt_and_out_of_vocabulary_ids_are_rejected(engine):
+    with pytest.raises(ConfigError, match="empty"):
+        engine.generate([])
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        engine.generate([5, 10**6])
+
+
+def test_invalid_sampling_value_is_rejected_before_generation(engine):
+    with pytest.raises(SamplingParamsError, match="top_p"):
+        engine.generate("hello", top_p=0.0)
+    with pytest.raises(ConfigError, match="unknown sampling setting"):
+        engine.generate("hello", temprature=0.5)
+    assert engine.cache.sequence_ids() == []
+
+
+def test_generation_stops_at_the_context_limit(engine):
+    ids = engine.generate_token_ids(list(range(3, 123)), max_new_tokens=50, ignore_eos=True)
+    assert len(ids) == 8  # 120 prompt tokens + 8 = max_seq_len 128
+    assert engine.last_stats.finish_reason == "length"
+
+
+def test_stream_pieces_join_to_generate_output(engine):
+    pieces = list(engine.stream("Alice was", max_new_tokens=20, ignore_eos=True))
+    assert "".join(pieces) == engine.generate("Alice was", max_new_tokens=20, ignore_eos=True)
+    stats = engine.last_stats
+    assert stats.num_generated_tokens == 20 and stats.num_prompt_tokens > 0 and stats.peak_memory_bytes > 0
+
+
+def test_same_seed_same_text(engine):
+    kw = dict(max_new_tokens=24, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    assert engine.generate("The capital", **kw) == engine.generate("The capital", **kw)
+    assert engine.generate("The capital", **kw) != engine.generate("The capital", **{**kw, "seed": 12})
+
+
+def test_stop_string_ends_generation_and_is_not_returned(engine):
+    full = engine.generate("Alice", max_new_tokens=30, ignore_eos=True)
+    stop = full[5:8]
+    assert len(stop) == 3
+    out = engine.generate("Alice", max_new_tokens=30, ignore_eos=True, stop=[stop])
+    assert out == full[: full.index(stop)]
+    assert engine.last_stats.finish_reason == "stop"
+
+
+def test_chat_applies_the_template(engine):
+    messages = [{"role": "user", "content": "hi"}]
+    ids = engine.tokenizer.apply_chat_template(messages)
+    assert engine.tokenizer.hf.decode(ids).endswith("<|im_start|>assistant\n")
+    assert engine.chat(messages, max_new_tokens=8, ignore_eos=True) == engine.generate(
+        ids, max_new_tokens=8, ignore_eos=True
+    )
+
+
+def test_malformed_chat_message_is_rejected(engine):
+    with pytest.raises(ConfigError, match="role"):
+        engine.chat([{"content": "no role"}])
+
+
+def test_no_sequence_is_left_in_the_cache(engine):
+    stream = engine.stream("Alice", max_new_tokens=10, ignore_eos=True)
+    next(stream)
+    stream.close()  # an abandoned stream frees its KV
+    assert engine.cache.sequence_ids() == []
