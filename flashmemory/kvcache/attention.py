@@ -26,8 +26,9 @@ def causal_attention(
     if n == 1 and not window_cuts:
         # Decode: every cached key is visible, so the queries of one KV group stack into one matrix
         # and no mask (and no repeat of K/V per query head) is needed.
-        qg = q.view(num_kv_heads, group, head_dim)  # [num_kv_heads, group, head_dim]
-        out = F.scaled_dot_product_attention(qg, k, v)  # [num_kv_heads, group, head_dim]
+        # 4-D inputs select torch's fused CPU kernel (2x faster here than the 3-D math path).
+        qg = q.view(1, num_kv_heads, group, head_dim)  # [1, num_kv_heads, group, head_dim]
+        out = F.scaled_dot_product_attention(qg, k.unsqueeze(0), v.unsqueeze(0))  # [1, num_kv_heads, group, head_dim]
         return out.reshape(1, num_heads, head_dim)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, n, head_dim]
     kh, vh = k.unsqueeze(0), v.unsqueeze(0)  # [1, num_kv_heads, total, head_dim]

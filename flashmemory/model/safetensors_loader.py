@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,8 +14,24 @@ from flashmemory.errors import CorruptWeightsError, ModelNotFoundError
 from flashmemory.model.model_config import ModelConfig
 
 
-def check_safetensors_file(path: Path) -> list[str]:
-    """Validate a shard's header against its size; return its tensor names. Raises CorruptWeightsError."""
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class _TensorEntry:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    num_bytes: int
+
+
+def check_safetensors_file(path: Path) -> dict[str, _TensorEntry]:
+    """Validate a shard's header against its size; return where each tensor lies. Raises CorruptWeightsError."""
     size = path.stat().st_size
     try:
         with path.open("rb") as f:
@@ -33,15 +50,24 @@ def check_safetensors_file(path: Path) -> list[str]:
         raise CorruptWeightsError(
             f"{path} is truncated: its header promises {expected} bytes, the file has {size}; download it again"
         )
-    return list(entries)
+    out = {}
+    for name, v in entries.items():
+        if v.get("dtype") not in _DTYPES:
+            raise CorruptWeightsError(f"{path}: tensor {name} has unsupported dtype {v.get('dtype')!r}")
+        begin, end = (int(x) for x in v["data_offsets"])
+        out[name] = _TensorEntry(path, _DTYPES[v["dtype"]], tuple(int(d) for d in v["shape"]), 8 + header_len + begin,
+                                 end - begin)
+    return out
 
 
 class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
-    """Owns the open shards of a safetensors folder; maps tensor names to tensors, read lazily."""
+    """Maps the tensor names of a safetensors folder to tensors, each read from disk on demand.
+
+    Plain reads rather than a memory map: mapped pages would count in the process's RSS on top of the
+    model's own copy of the weights, doubling peak memory while loading.
+    """
 
     def __init__(self, folder: Path) -> None:
-        from safetensors import safe_open
-
         config_path = folder / "config.json"
         if not config_path.is_file():
             raise ModelNotFoundError(
@@ -59,17 +85,20 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
                 "with `save_pretrained(..., safe_serialization=True)`)"
             )
         self.path = folder
-        self._handles = []
-        self._where: dict[str, object] = {}
+        self._where: dict[str, _TensorEntry] = {}
         for shard in shards:
-            names = check_safetensors_file(shard)
-            handle = safe_open(str(shard), framework="pt")
-            self._handles.append(handle)
-            for name in names:
-                self._where[name] = handle
+            self._where.update(check_safetensors_file(shard))
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._where[name].get_tensor(name)  # type: ignore[attr-defined]
+        entry = self._where[name]
+        buf = bytearray(entry.num_bytes)
+        with entry.file.open("rb") as f:
+            f.seek(entry.start)
+            if f.readinto(buf) != entry.num_bytes:
+                raise CorruptWeightsError(f"{entry.file} ended while reading tensor {name}; download it again")
+        if entry.num_bytes == 0:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        return torch.frombuffer(buf, dtype=entry.dtype).reshape(entry.shape)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
