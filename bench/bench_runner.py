@@ -52,14 +52,14 @@ def prompt_ids(tokenizer, text_path: Path, length: int) -> list[int]:
     return ids[:length]
 
 
-def worker(engine: str, folder: Path, text: Path, length: int, decode_tokens: int, dtype: str) -> dict:
+def worker(engine: str, folder: Path, text: Path, length: int, decode_tokens: int, dtype: str, kv_cache: str) -> dict:
     """One measurement in this process: prefill `length` tokens, then decode `decode_tokens` greedily."""
     import torch
 
     if engine == "flashmemory":
         from flashmemory import FlashMemoryEngine
 
-        eng = FlashMemoryEngine(model_path=str(folder), dtype=dtype)
+        eng = FlashMemoryEngine(model_path=str(folder), dtype=dtype, kv_cache=kv_cache)
         ids = prompt_ids(eng.tokenizer.hf, text, length)
         eng.generate_token_ids(ids[:16], max_new_tokens=2, ignore_eos=True)  # warm-up
         eng.generate_token_ids(ids, max_new_tokens=decode_tokens, ignore_eos=True)
@@ -111,13 +111,16 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    ap.add_argument("--kv-cache", default="contiguous", choices=["contiguous", "tiered"],
+                    help="FlashMemory's KV cache (default: the exact contiguous one, same work as transformers)")
     ap.add_argument("--json", type=Path, default=None, help="write all runs and medians here")
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.worker:
-        result = worker(args.worker, args.folder, args.text, args.lengths[0], args.decode_tokens, args.dtype)
+        result = worker(args.worker, args.folder, args.text, args.lengths[0], args.decode_tokens, args.dtype,
+                        args.kv_cache)
         print(json.dumps(result))
         return
     if not args.text.is_file():
@@ -129,7 +132,8 @@ def main() -> None:
         for r in range(args.runs):
             for engine in args.engines:  # interleaved: A B A B ...
                 cmd = [sys.executable, __file__, "--worker", engine, "--folder", str(folder), "--text", str(args.text),
-                       "--lengths", str(length), "--decode-tokens", str(args.decode_tokens), "--dtype", args.dtype]
+                       "--lengths", str(length), "--decode-tokens", str(args.decode_tokens), "--dtype", args.dtype,
+                       "--kv-cache", args.kv_cache]
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if proc.returncode != 0:
                     raise SystemExit(f"{engine} at {length} tokens failed:\n{proc.stderr[-3000:]}")
@@ -163,7 +167,7 @@ def summarize(runs: list[dict], args: argparse.Namespace) -> dict:
                         f"{m['decode_tok_s']:.2f} | {m['peak_rss_bytes'] / 2**20:.0f} | {ratio} |")
     import torch
 
-    meta = (f"dtype {args.dtype}, {args.decode_tokens} decode tokens, median of {args.runs} runs, "
+    meta = (f"dtype {args.dtype}, FlashMemory kv_cache={args.kv_cache}, {args.decode_tokens} decode tokens, median of {args.runs} runs, "
             f"torch {torch.__version__} threads {runs[0]['threads']}, {platform.processor() or platform.machine()}, "
             f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'PASSIVE')}")
     return {"markdown": head + "\n" + "\n".join(rows) + "\n\n" + meta,

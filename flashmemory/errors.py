@@ -38,3 +38,19 @@ class SamplingParamsError(FlashMemoryError, ValueError):
     def __init__(self, message: str, *, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ColdBlockError(FlashMemoryError, OSError):
+    """A block on the disk level is missing, truncated or corrupt; it is never served."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # "missing" | "truncated" | "checksum" | "header"
+
+
+class MemoryBudgetError(ConfigError):
+    """The device-memory budget cannot hold the weights, the workspace and the hot KV window."""
+
+
+class CapacityError(FlashMemoryError, MemoryError):
+    """A KV level is full at run time and nothing can be demoted (e.g. host memory with the cold zone off)."""

@@ -38,7 +38,7 @@ def smollm2_path() -> Path:
 def smollm2_engine(smollm2_path):
     from flashmemory import FlashMemoryEngine
 
-    return FlashMemoryEngine(model_path=str(smollm2_path))
+    return FlashMemoryEngine(model_path=str(smollm2_path), kv_cache="contiguous")
 
 
 @pytest.fixture(scope="session")

@@ -85,8 +85,12 @@ def _llama_cpp_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, hf_model, qtype_name: str = "F32", arch: str = "llama") -> dict[str, torch.Tensor]:
+def write_tiny_gguf(
+    path: Path, hf_model, qtype_name: str = "F32", arch: str = "llama", raw_tensors: dict | None = None
+) -> dict[str, torch.Tensor]:
     """Write `hf_model` as a GGUF the way llama.cpp's converter lays it out; 2-D weights in `qtype_name`.
+
+    `raw_tensors` maps GGUF tensor names to (already encoded uint8 array, GGMLQuantizationType) written instead.
 
     Returns the HF-named float32 tensors as they read back after quantization (the reference weights).
     """
@@ -137,7 +141,10 @@ def write_tiny_gguf(path: Path, hf_model, qtype_name: str = "F32", arch: str = "
         elif arch == "llama" and hf_name.endswith("k_proj.weight"):
             w = _llama_cpp_permute(w, cfg.num_key_value_heads)
         array = w.numpy()
-        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        if raw_tensors and gguf_name in raw_tensors:
+            raw, raw_type = raw_tensors[gguf_name]
+            writer.add_tensor(gguf_name, raw, raw_dtype=raw_type)
+        elif array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, array)

@@ -15,8 +15,10 @@ from flashmemory.engine.sampling import Sampler, SamplingParams
 from flashmemory.engine.stats import GenerationStats, peak_memory
 from flashmemory.engine.stop import StopStringMatcher
 from flashmemory.errors import ConfigError, PromptTooLongError
+from flashmemory.kvcache.budget import plan_device, tiered_config
 from flashmemory.kvcache.contiguous import ContiguousKVCache
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
+from flashmemory.kvcache.tiered import TieredKVCache
 from flashmemory.model.loader import build_model, open_checkpoint
 from flashmemory.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -47,15 +49,7 @@ class FlashMemoryEngine:
         self.max_seq_len = self.config.max_seq_len or model_limit
         self.model = build_model(checkpoint, self.device, self.dtype)
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint.path, checkpoint.config.eos_token_ids)
-        self.cache: KVCache = ContiguousKVCache(
-            num_layers=self.model_config.num_layers,
-            num_kv_heads=self.model_config.num_kv_heads,
-            head_dim=self.model_config.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-            max_seq_len=self.max_seq_len,
-            sliding_window_tokens=self.model_config.sliding_window_tokens,
-        )
+        self.cache: KVCache = self._build_cache()
         self._seq_ids = itertools.count()
         self.last_stats = GenerationStats()
         self.load_seconds = time.perf_counter() - started
@@ -64,6 +58,23 @@ class FlashMemoryEngine:
             self.model_path.name, self.model_config.architecture, self.model_config.num_layers,
             self.device, str(self.dtype).removeprefix("torch."), self.load_seconds,
         )
+
+    def _build_cache(self) -> KVCache:
+        cfg, mc = self.config, self.model_config
+        if cfg.kv_cache == "contiguous":
+            # The exact baseline: model dtype, or FP16 storage when kv_precision="fp16" is asked for.
+            kv_dtype = torch.float16 if cfg.kv_precision == "fp16" else self.dtype
+            return ContiguousKVCache(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, self.device,
+                                     self.max_seq_len, mc.sliding_window_tokens)
+        if mc.sliding_window_tokens is not None and mc.sliding_window_tokens < self.max_seq_len:
+            raise ConfigError(
+                f"this model uses sliding-window attention ({mc.sliding_window_tokens} tokens), which the tiered "
+                "KV cache does not implement yet; use kv_cache='contiguous'"
+            )
+        block_size = cfg.resolve_block_size(self.max_seq_len)
+        self.device_plan = plan_device(cfg, mc, self.model.num_parameter_bytes(), self.dtype, block_size)
+        tiered = tiered_config(cfg, mc, self.device_plan, block_size, self.device, f"{self.model_path}:{mc}")
+        return TieredKVCache(tiered)
 
     # ---- public API -------------------------------------------------------------------------------------------
 
@@ -107,8 +118,20 @@ class FlashMemoryEngine:
             self.cache.free_sequence(seq_id)
 
     def clear_cache(self) -> None:
-        """Free every sequence's KV."""
+        """Free every sequence's KV on every level."""
         self.cache.clear()
+
+    def stats(self) -> dict[str, int | float]:
+        """KV bytes and blocks per level, selected fractions, bytes moved between levels, load failures."""
+        out = dict(self.cache.stats())
+        out["weights_bytes"] = self.model.num_parameter_bytes()
+        return out
+
+    def close(self) -> None:
+        """Release the KV levels (the cold-zone file included)."""
+        close = getattr(self.cache, "close", None)
+        if close is not None:
+            close()
 
     # ---- generation -------------------------------------------------------------------------------------------
 
@@ -130,13 +153,22 @@ class FlashMemoryEngine:
             )
 
     def _forward(self, seq_id: int, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
-        num_cached = self.cache.num_tokens(seq_id)
-        batch = ForwardBatch.build([(seq_id, num_cached, len(token_ids))], self.device)
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        last = None if all_logits else torch.tensor([len(token_ids) - 1], device=self.device)
-        logits = self.model(input_ids, self.cache, batch, logits_indices=last)
-        self.cache.commit(batch)
-        return logits
+        """Run the tokens through the model in chunks of prefill_chunk_tokens; logits of the last (or all)."""
+        chunk = self.config.prefill_chunk_tokens
+        outputs = []
+        for start in range(0, len(token_ids), chunk):
+            piece = token_ids[start : start + chunk]
+            num_cached = self.cache.num_tokens(seq_id)
+            batch = ForwardBatch.build([(seq_id, num_cached, len(piece))], self.device)
+            input_ids = torch.tensor(piece, dtype=torch.long, device=self.device)
+            is_last = start + chunk >= len(token_ids)
+            if all_logits or is_last:
+                last = None if all_logits else torch.tensor([len(piece) - 1], device=self.device)
+                outputs.append(self.model(input_ids, self.cache, batch, logits_indices=last))
+            else:
+                self.model(input_ids, self.cache, batch, logits_indices=torch.empty(0, dtype=torch.long))
+            self.cache.commit(batch)
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def _stream_ids(self, prompt_ids: list[int], params: SamplingParams, started: float) -> Iterator[str]:
         self._check_prompt(prompt_ids, params.max_new_tokens)

@@ -53,3 +53,37 @@ def test_embedded_smollm2_metadata(smollm2_path):
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
     assert cfg.max_position_embeddings == 8192 and cfg.tie_word_embeddings
     assert ckpt.tensors.tensor_type_counts().keys() >= {"Q4_1", "Q8_0", "F32"}
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_tensor_is_dequantized_in_place(tmp_path, qtype):
+    """K-quants (256-element super-blocks): the `gguf` package can read but not write them, so the test
+    writes random super-blocks with sane fp16 scales and checks our loader's tensor equals the reference
+    dequantization, in HF layout."""
+    import gguf
+    import numpy as np
+
+    hf = write_tiny_model(tmp_path / "hf", "LlamaForCausalLM", intermediate_size=256)
+    path = tmp_path / "k.gguf"
+    t = gguf.GGMLQuantizationType[qtype]
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[t]
+    rows, cols = 64, 256  # ffn_down: [hidden, intermediate]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(rows, cols // block_elems * block_bytes), dtype=np.uint8)
+    # Put small finite fp16 values where each K-quant keeps its super-block scales (last 2 or 4 bytes,
+    # or the first 4 for Q4_K/Q5_K) so the reference has no inf/nan.
+    scale_bytes = np.frombuffer(np.float16(0.01).tobytes() * 2, dtype=np.uint8)
+    blocks = raw.reshape(rows, -1, block_bytes)
+    if qtype in ("Q4_K", "Q5_K"):
+        blocks[..., 0:4] = scale_bytes
+    elif qtype == "Q2_K":
+        blocks[..., -4:] = scale_bytes
+    else:
+        blocks[..., -2:] = scale_bytes[:2]
+    write_tiny_gguf(path, hf, "F32", raw_tensors={"blk.0.ffn_down.weight": (raw, t)})
+    ckpt = open_checkpoint(path)
+    assert ckpt.tensors.tensor_type_counts()[qtype] == 1
+    ours = ckpt.tensors["model.layers.0.mlp.down_proj.weight"]
+    reference = torch.from_numpy(np.array(gguf.quants.dequantize(raw, t), dtype=np.float32)).reshape(rows, cols)
+    assert torch.isfinite(reference).all()
+    torch.testing.assert_close(ours, reference, rtol=0, atol=0)

@@ -27,7 +27,7 @@ def _hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"])
 def test_prefill_logits_match_transformers(tmp_path, arch):
     hf = write_tiny_model(tmp_path, arch, tie_word_embeddings=(arch == "Qwen2ForCausalLM"))
-    engine = FlashMemoryEngine(model_path=str(tmp_path), dtype="float32")
+    engine = FlashMemoryEngine(model_path=str(tmp_path), dtype="float32", kv_cache="contiguous")
     ids = torch.randint(3, engine.model_config.vocab_size, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     ours = engine.prompt_logits(ids)
     assert (ours - _hf_logits(hf, ids)).abs().max().item() <= TOL
@@ -38,7 +38,7 @@ def test_rope_scaling_matches_transformers(tmp_path, case):
     # 120 tokens with max_position_embeddings=96 so dynamic NTK actually rescales.
     hf = write_tiny_model(tmp_path, "LlamaForCausalLM", max_position_embeddings=96 if case == "dynamic" else 256,
                           **ROPE_CASES[case])
-    engine = FlashMemoryEngine(model_path=str(tmp_path), dtype="float32")
+    engine = FlashMemoryEngine(model_path=str(tmp_path), dtype="float32", kv_cache="contiguous")
     ids = torch.randint(3, engine.model_config.vocab_size, (120,), generator=torch.Generator().manual_seed(2)).tolist()
     ours = engine.prompt_logits(ids)
     assert (ours - _hf_logits(hf, ids)).abs().max().item() <= TOL
@@ -47,7 +47,7 @@ def test_rope_scaling_matches_transformers(tmp_path, case):
 def test_incremental_decode_matches_full_forward(tmp_path):
     """Prefill then one token at a time through the cache gives the logits of one full forward."""
     hf = write_tiny_model(tmp_path, "LlamaForCausalLM")
-    engine = FlashMemoryEngine(model_path=str(tmp_path), dtype="float32")
+    engine = FlashMemoryEngine(model_path=str(tmp_path), dtype="float32", kv_cache="contiguous")
     ids = torch.randint(3, engine.model_config.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     full = _hf_logits(hf, ids)
     seq = 10_000
@@ -67,7 +67,7 @@ def test_chunked_prefill_and_two_sequences_in_one_batch(tmp_path):
     from flashmemory.kvcache.interface import ForwardBatch
 
     hf = write_tiny_model(tmp_path, "MistralForCausalLM")
-    engine = FlashMemoryEngine(model_path=str(tmp_path), dtype="float32")
+    engine = FlashMemoryEngine(model_path=str(tmp_path), dtype="float32", kv_cache="contiguous")
     gen = torch.Generator().manual_seed(4)
     a = torch.randint(3, engine.model_config.vocab_size, (50,), generator=gen).tolist()
     b = torch.randint(3, engine.model_config.vocab_size, (30,), generator=gen).tolist()
@@ -88,7 +88,7 @@ def test_chunked_prefill_and_two_sequences_in_one_batch(tmp_path):
 def test_sliding_window_matches_transformers(tmp_path):
     hf = write_tiny_model(tmp_path, "MistralForCausalLM", sliding_window=16)
     hf.config._attn_implementation = "eager"  # transformers applies the window through its mask
-    engine = FlashMemoryEngine(model_path=str(tmp_path), dtype="float32")
+    engine = FlashMemoryEngine(model_path=str(tmp_path), dtype="float32", kv_cache="contiguous")
     ids = torch.randint(3, engine.model_config.vocab_size, (48,), generator=torch.Generator().manual_seed(5)).tolist()
     assert engine.model_config.sliding_window_tokens == 16
     assert (engine.prompt_logits(ids) - _hf_logits(hf, ids)).abs().max().item() <= TOL
@@ -98,7 +98,7 @@ def test_sliding_window_decode_matches_transformers(tmp_path):
     """Decode steps past the window read only the last `sliding_window` keys, as transformers does."""
     hf = write_tiny_model(tmp_path, "MistralForCausalLM", sliding_window=16)
     hf.config._attn_implementation = "eager"
-    engine = FlashMemoryEngine(model_path=str(tmp_path), dtype="float32")
+    engine = FlashMemoryEngine(model_path=str(tmp_path), dtype="float32", kv_cache="contiguous")
     ids = torch.randint(3, engine.model_config.vocab_size, (40,), generator=torch.Generator().manual_seed(6)).tolist()
     engine.cache.add_sequence(7)
     try:

@@ -1,0 +1,128 @@
+"""Block bookkeeping for the KV hierarchy: levels, slot allocators, per-sequence block tables (no torch)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class Level(IntEnum):
+    """Where a copy of a block lives. Lower is faster and smaller."""
+
+    DEVICE = 0  # L0 hot: device memory (a budgeted arena on a CPU-only host), INT4 by default
+    HOST = 1  # L1 warm: host memory (pinned with CUDA), FP16
+    DISK = 2  # L2 cold: one preallocated file, INT2 by default
+
+
+class SlotAllocator:
+    """Owns the free list of one level's preallocated slots."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free: deque[int] = deque(range(num_slots))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def allocate(self) -> int | None:
+        """A free slot, or None when the level is full (the caller demotes or reports)."""
+        if not self._free:
+            return None
+        slot = self._free.popleft()
+        self._used.add(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot not in self._used:
+            raise ValueError(f"slot {slot} is not allocated")  # internal bookkeeping bug, never user input
+        self._used.remove(slot)
+        self._free.append(slot)
+
+
+@dataclass
+class BlockEntry:
+    """One logical block of a sequence: its copies by level (a block may have an L0 and an L1 copy at once)."""
+
+    slots: dict[Level, int] = field(default_factory=dict)
+    pinned: bool = False  # kept in L0 regardless of the window (attention sinks, pinned spans)
+
+    @property
+    def primary(self) -> Level:
+        """The fastest level holding a copy: the one attention reads."""
+        return min(self.slots)
+
+
+@dataclass
+class BlockTable:
+    """A sequence's logical blocks in token order; the last, still-filling block lives outside the table."""
+
+    blocks: list[BlockEntry] = field(default_factory=list)
+
+    def blocks_on(self, level: Level) -> list[int]:
+        """Logical indices whose primary copy is on `level`."""
+        return [i for i, b in enumerate(self.blocks) if b.slots and b.primary == level]
+
+    def copies_on(self, level: Level) -> list[int]:
+        """Logical indices that have a copy on `level` (primary or not)."""
+        return [i for i, b in enumerate(self.blocks) if level in b.slots]
+
+
+class BlockManager:
+    """Owns the slot allocators of every level and the block table of every sequence."""
+
+    def __init__(self, num_slots: dict[Level, int]) -> None:
+        self.allocators = {level: SlotAllocator(n) for level, n in num_slots.items()}
+        self.tables: dict[int, BlockTable] = {}
+
+    def add_sequence(self, seq_id: int) -> BlockTable:
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already exists")
+        table = self.tables[seq_id] = BlockTable()
+        return table
+
+    def free_sequence(self, seq_id: int) -> list[tuple[Level, int]]:
+        """Drop the sequence; returns the (level, slot) pairs it released."""
+        table = self.tables.pop(seq_id, None)
+        released = []
+        if table is not None:
+            for block in table.blocks:
+                for level, slot in block.slots.items():
+                    self.allocators[level].free(slot)
+                    released.append((level, slot))
+        return released
+
+    def allocate(self, level: Level) -> int | None:
+        allocator = self.allocators.get(level)
+        return None if allocator is None else allocator.allocate()
+
+    def attach(self, seq_id: int, index: int, level: Level, slot: int) -> None:
+        """Record that block `index` of the sequence now has a copy on `level` at `slot`."""
+        block = self.tables[seq_id].blocks[index]
+        if level in block.slots:
+            raise ValueError(f"block {index} of sequence {seq_id} already has a copy on {level.name}")
+        block.slots[level] = slot
+
+    def detach(self, seq_id: int, index: int, level: Level) -> int:
+        """Drop the block's copy on `level` (its slot goes back to the free list); returns the slot."""
+        block = self.tables[seq_id].blocks[index]
+        slot = block.slots.pop(level)
+        self.allocators[level].free(slot)
+        return slot
+
+    def append_block(self, seq_id: int, pinned: bool = False) -> int:
+        table = self.tables[seq_id]
+        table.blocks.append(BlockEntry(pinned=pinned))
+        return len(table.blocks) - 1
+
+    def level_stats(self) -> dict[Level, dict[str, int]]:
+        return {
+            level: {"slots_total": a.num_slots, "slots_used": a.num_used, "slots_free": a.num_free}
+            for level, a in self.allocators.items()
+        }

@@ -1,0 +1,172 @@
+"""L2 cold pool: one preallocated file of fixed-size block records, each layer segment checksummed.
+
+Record layout (little-endian), one per slot at offset slot * record_bytes:
+    header  : magic "FMKV", format version, codec bits, num_layers, num_kv_heads, block_size, head_dim,
+              16-byte model fingerprint, payload crc32 per layer, header crc32
+    payload : num_layers segments, each the codec's parts of that layer, concatenated in part order
+
+A read verifies the file still exists, is long enough, and that the segment's crc32 matches what was
+written; any failure raises ColdBlockError and is counted by reason. A corrupt block is never served.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flashmemory.errors import ColdBlockError, ConfigError
+from flashmemory.kvcache.quant import Codec, Parts
+
+MAGIC = b"FMKV"
+FORMAT_VERSION = 1
+_FIXED = struct.Struct("<4sHBxIIII16s")  # magic, version, bits, layers, heads, block_size, head_dim, fingerprint
+
+
+class DiskPool:
+    """Owns the cold-zone file: put/get of encoded blocks by slot, with integrity checks and failure counters."""
+
+    def __init__(
+        self,
+        codec: Codec,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        block_size: int,
+        head_dim: int,
+        directory: str | os.PathLike | None,
+        model_fingerprint: bytes,
+    ) -> None:
+        self.codec = codec
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.lead = (num_kv_heads,)
+        self.block_size = block_size
+        self.head_dim = head_dim
+        self.fingerprint = model_fingerprint[:16].ljust(16, b"\0")
+        self.part_shapes = codec.part_shapes(self.lead, block_size, head_dim)
+        self.segment_bytes = codec.nbytes(self.lead, block_size, head_dim)
+        self.header_bytes = _FIXED.size + 4 * num_layers + 4
+        self.record_bytes = -(-(self.header_bytes + num_layers * self.segment_bytes) // 4096) * 4096
+        self.bytes_per_slot = num_layers * self.segment_bytes
+        self.load_failures: dict[str, int] = {"missing": 0, "truncated": 0, "checksum": 0, "header": 0}
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self._crcs: dict[int, list[int]] = {}  # slot -> per-layer crc32 of what was written
+        self._owned_dir: tempfile.TemporaryDirectory | None = None
+        if directory is None:
+            self._owned_dir = tempfile.TemporaryDirectory(prefix="flashmemory-cold-")
+            directory = self._owned_dir.name
+        folder = Path(directory)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(prefix="kv-", suffix=".cold", dir=folder)
+        except OSError as e:
+            raise ConfigError(
+                f"cold_zone_dir {str(folder)!r} is not writable ({e.strerror}); choose another folder or set "
+                "cold_zone_enabled=False"
+            ) from e
+        self.path = Path(name)
+        self._fd = fd
+        try:
+            os.ftruncate(fd, num_slots * self.record_bytes)  # sparse: disk is used as blocks are written
+        except OSError as e:
+            os.close(fd)
+            raise ConfigError(f"cannot size the cold zone file {name} to {num_slots * self.record_bytes} bytes: "
+                              f"{e.strerror}; lower the cold-zone capacity or free disk space") from e
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.bytes_per_slot
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+        if self._owned_dir is not None:
+            self._owned_dir.cleanup()
+            self._owned_dir = None
+
+    def __del__(self) -> None:  # best effort; the engine closes explicitly
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _segment(self, parts: Parts, layer: int) -> bytes:
+        return b"".join(parts[name][layer].contiguous().cpu().numpy().tobytes() for name in self.part_shapes)
+
+    def put(self, slot: int, parts: Parts) -> None:
+        """Write a block (parts shaped [num_layers, num_kv_heads, ...]) into `slot` with one pwrite."""
+        segments = [self._segment(parts, layer) for layer in range(self.num_layers)]
+        crcs = [zlib.crc32(s) for s in segments]
+        fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, self.codec.bits, self.num_layers, self.lead[0],
+                            self.block_size, self.head_dim, self.fingerprint)
+        head = fixed + struct.pack(f"<{self.num_layers}I", *crcs)
+        record = head + struct.pack("<I", zlib.crc32(head)) + b"".join(segments)
+        os.pwrite(self._fd, record, slot * self.record_bytes)
+        self._crcs[slot] = crcs
+        self.bytes_written += len(record)
+
+    def free(self, slot: int) -> None:
+        """Forget a slot: its magic is zeroed so stale bytes can never be read back as a block."""
+        if self._crcs.pop(slot, None) is not None and self._fd >= 0:
+            os.pwrite(self._fd, b"\0\0\0\0", slot * self.record_bytes)
+
+    def _fail(self, reason: str, message: str) -> ColdBlockError:
+        self.load_failures[reason] += 1
+        return ColdBlockError(message, reason=reason)
+
+    def get_layer(self, slots: list[int], layer: int) -> Parts:
+        """One layer of several slots: parts [len(slots), num_kv_heads, ...], every segment verified."""
+        if os.fstat(self._fd).st_nlink == 0:
+            raise self._fail("missing", f"cold zone file {self.path} was deleted; its KV blocks are lost")
+        chunks = []
+        for slot in slots:
+            expected = self._crcs.get(slot)
+            if expected is None:
+                raise self._fail("header", f"cold block slot {slot} holds no block")
+            offset = slot * self.record_bytes + self.header_bytes + layer * self.segment_bytes
+            data = os.pread(self._fd, self.segment_bytes, offset)
+            if len(data) < self.segment_bytes:
+                raise self._fail("truncated", f"cold zone file {self.path} is truncated at slot {slot}")
+            if zlib.crc32(data) != expected[layer]:
+                raise self._fail("checksum", f"cold block slot {slot} layer {layer} failed its checksum")
+            chunks.append(data)
+            self.bytes_read += len(data)
+        return self._unflatten(b"".join(chunks), len(slots))
+
+    def verify_header(self, slot: int) -> None:
+        """Check a slot's on-disk header (magic, version, shape, fingerprint, header crc)."""
+        raw = os.pread(self._fd, self.header_bytes, slot * self.record_bytes)
+        if len(raw) < self.header_bytes:
+            raise self._fail("truncated", f"cold zone file {self.path} is truncated at slot {slot}")
+        head, (crc,) = raw[:-4], struct.unpack("<I", raw[-4:])
+        magic, version, bits, layers, heads, block, dim, fp = _FIXED.unpack(head[: _FIXED.size])
+        ok = (magic == MAGIC and version == FORMAT_VERSION and zlib.crc32(head) == crc and bits == self.codec.bits
+              and (layers, heads, block, dim) == (self.num_layers, self.lead[0], self.block_size, self.head_dim)
+              and fp == self.fingerprint)
+        if not ok:
+            raise self._fail("header", f"cold block slot {slot} has a bad header (format, shape or model mismatch)")
+
+    def _unflatten(self, data: bytes, n: int) -> Parts:
+        # data is n segments back to back; each segment is the parts in order, for one slot.
+        buf = np.frombuffer(data, dtype=np.uint8).reshape(n, self.segment_bytes)
+        parts: Parts = {}
+        offset = 0
+        for name, (shape, dtype) in self.part_shapes.items():
+            numel = int(np.prod(shape))
+            size = numel * torch.empty((), dtype=dtype).element_size()
+            raw = np.ascontiguousarray(buf[:, offset : offset + size])
+            parts[name] = torch.from_numpy(raw).view(dtype).reshape(n, *shape)
+            offset += size
+        return parts

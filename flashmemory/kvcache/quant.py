@@ -1,0 +1,126 @@
+"""KV codecs: asymmetric min/max group quantization (KIVI layout) at INT4 / INT2, and fp16 pass-through.
+
+Keys are grouped per channel (min/max over `key_group_tokens` consecutive tokens of one channel), values per
+token (min/max over `value_group_channels` consecutive channels of one token). Scales and zero points are
+fp16. Codes are packed along head_dim: two INT4 or four INT2 codes per byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Every codec turns keys and values [..., tokens, head_dim] into named parts and back.
+Parts = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How one level stores a block's keys and values."""
+
+    bits: int  # 16 (fp16 pass-through), 4 or 2
+    key_group_tokens: int = 16  # tokens sharing one per-channel scale/zero of the keys
+    value_group_channels: int = 32  # channels sharing one per-token scale/zero of the values
+
+    def __post_init__(self) -> None:
+        if self.bits not in (2, 4, 16):
+            raise ValueError(f"unsupported bit width {self.bits}")
+
+    @property
+    def name(self) -> str:
+        return "fp16" if self.bits == 16 else f"int{self.bits}"
+
+    def part_shapes(self, lead: tuple[int, ...], tokens: int, head_dim: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shapes and dtypes of the parts of one block whose keys/values are [*lead, tokens, head_dim]."""
+        if self.bits == 16:
+            return {"k": ((*lead, tokens, head_dim), torch.float16), "v": ((*lead, tokens, head_dim), torch.float16)}
+        packed = head_dim * self.bits // 8
+        kg, vg = tokens // self.key_group_tokens, head_dim // self.value_group_channels
+        return {
+            "k_codes": ((*lead, tokens, packed), torch.uint8),
+            "k_scale": ((*lead, kg, head_dim), torch.float16),
+            "k_zero": ((*lead, kg, head_dim), torch.float16),
+            "v_codes": ((*lead, tokens, packed), torch.uint8),
+            "v_scale": ((*lead, tokens, vg), torch.float16),
+            "v_zero": ((*lead, tokens, vg), torch.float16),
+        }
+
+    def nbytes(self, lead: tuple[int, ...], tokens: int, head_dim: int) -> int:
+        total = 0
+        for shape, dtype in self.part_shapes(lead, tokens, head_dim).values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * torch.empty((), dtype=dtype).element_size()
+        return total
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
+        """k, v: [..., tokens, head_dim] (any float dtype) -> parts."""
+        if self.bits == 16:
+            return {"k": k.to(torch.float16), "v": v.to(torch.float16)}
+        kc, ks, kz = quantize(k, self.bits, axis=-2, group=self.key_group_tokens)
+        vc, vs, vz = quantize(v, self.bits, axis=-1, group=self.value_group_channels)
+        return {"k_codes": kc, "k_scale": ks, "k_zero": kz, "v_codes": vc, "v_scale": vs, "v_zero": vz}
+
+    def decode(self, parts: Parts, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """parts -> k, v [..., tokens, head_dim] in `dtype`."""
+        if self.bits == 16:
+            return parts["k"].to(dtype), parts["v"].to(dtype)
+        k = dequantize(parts["k_codes"], parts["k_scale"], parts["k_zero"], self.bits, -2, self.key_group_tokens)
+        v = dequantize(parts["v_codes"], parts["v_scale"], parts["v_zero"], self.bits, -1, self.value_group_channels)
+        return k.to(dtype), v.to(dtype)
+
+
+def _grouped(x: torch.Tensor, axis: int, group: int) -> tuple[torch.Tensor, int]:
+    """View x [..., T, D] with the group as its own axis; returns the view and the axis to reduce over."""
+    *lead, t, d = x.shape
+    if axis == -2:
+        return x.reshape(*lead, t // group, group, d), -2  # [..., T/g, g, D]
+    return x.reshape(*lead, t, d // group, group), -1  # [..., T, D/g, g]
+
+
+def quantize(x: torch.Tensor, bits: int, axis: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantization of x [..., T, D] in groups of `group` along `axis` (-2 tokens, -1 channels).
+
+    Returns (packed codes [..., T, D*bits/8] uint8, scale, zero) with scale/zero fp16 of shape
+    [..., T/group, D] (axis -2) or [..., T, D/group] (axis -1).
+    """
+    levels = (1 << bits) - 1
+    xg, red = _grouped(x.float(), axis, group)
+    lo = xg.amin(dim=red, keepdim=True)
+    hi = xg.amax(dim=red, keepdim=True)
+    scale = ((hi - lo) / levels).to(torch.float16)
+    zero = lo.to(torch.float16)
+    # Quantize against the fp16-rounded scale/zero that decoding will use, so rounding is not paid twice.
+    s = scale.float().clamp_min(1e-8)
+    codes = ((xg - zero.float()) / s).round_().clamp_(0, levels).to(torch.uint8).reshape(x.shape)
+    return pack(codes, bits), scale.squeeze(red), zero.squeeze(red)
+
+
+def dequantize(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, axis: int, group: int
+) -> torch.Tensor:
+    """Inverse of `quantize`: float32 [..., T, D]."""
+    codes = unpack(packed, bits).float()
+    cg, red = _grouped(codes, axis, group)
+    out = cg * scale.float().unsqueeze(red) + zero.float().unsqueeze(red)
+    return out.reshape(codes.shape)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., D] (each < 2**bits) -> [..., D * bits / 8], lowest bits first."""
+    per_byte = 8 // bits
+    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
+    out = c[..., 0].clone()
+    for i in range(1, per_byte):
+        out |= c[..., i] << (bits * i)
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack`: [..., B] -> uint8 codes [..., B * 8 / bits]."""
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    parts = [(packed >> (bits * i)) & mask for i in range(per_byte)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)

@@ -1,0 +1,390 @@
+"""TieredKVCache: KV in paged blocks over three levels (L0 device INT4, L1 host FP16, L2 disk INT2).
+
+Every full block gets an FP16 master copy in L1 when it is written, plus an L0 copy while it is hot (attention
+sinks, pinned spans, the last `active_window` tokens). Leaving the window drops the L0 copy; leaving the warm
+span re-encodes the FP16 copy for L2 and frees L1. Decode steps attend to all of L0, the newest still-filling
+block (never quantized), and the blocks of L1 and L2 that query-aware selection picks per layer and KV head.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from flashmemory.errors import CapacityError
+from flashmemory.kvcache.blocks import BlockManager, Level
+from flashmemory.kvcache.disk_pool import DiskPool
+from flashmemory.kvcache.interface import ForwardBatch, KVCache, SequenceSlice
+from flashmemory.kvcache.pools import TensorPool
+from flashmemory.kvcache.quant import Codec
+from flashmemory.kvcache.selection import select_blocks
+from flashmemory.kvcache.tiered_attention import merge_partials, partial_attention
+
+logger = logging.getLogger(__name__)
+
+PRECISIONS = {"fp16": (16, 16, 16), "int4": (4, 16, 4), "mixed": (4, 16, 2)}  # bits on L0, L1, L2
+KV_DTYPE = torch.float16  # the unquantized KV storage type (the newest block, L1, the "fp16" precision)
+
+
+@dataclass
+class TieredCacheConfig:
+    """Shape of the hierarchy: sizes in slots (one slot = one block of every layer), policies in tokens."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    device_slots: int
+    host_slots: int
+    disk_slots: int
+    block_size: int = 16  # tokens per block
+    active_window: int = 2048  # newest tokens kept in L0
+    warm_tokens: int = 16384  # tokens after the window kept in L1 before moving to L2
+    semantic_truncate_threshold: float = 0.15  # fraction of L2 blocks a decode step attends
+    warm_budget_tokens: int = 1024  # tokens of L1 blocks a decode step attends (selected)
+    selection: str = "quest"  # "quest" (query-aware) or "exact" (attend everything)
+    kv_precision: str = "mixed"  # "fp16" | "int4" | "mixed"
+    num_sink_blocks: int = 1  # first blocks pinned to L0 (attention sinks)
+    max_num_seqs: int = 16  # sequences alive at once (each owns a staging block in L0)
+    value_group_channels: int = 32
+    cold_zone_enabled: bool = True
+    cold_zone_dir: str | None = None
+    model_fingerprint: bytes = b""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+@dataclass
+class _Sequence:
+    staging_index: int  # row of the staging arena holding the still-filling block
+    num_tokens: int = 0  # committed tokens (full blocks + staged)
+    num_staged: int = 0
+    digest: torch.Tensor | None = None  # [capacity_blocks, num_layers, num_kv_heads, 2, head_dim] key min/max
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer, this forward
+    pinned_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token ranges kept in L0
+
+
+class TieredKVCache(KVCache):
+    """Owns the three pools, the block tables and the per-sequence digests; computes tiered attention."""
+
+    def __init__(self, cfg: TieredCacheConfig) -> None:
+        self.cfg = cfg
+        bits = PRECISIONS[cfg.kv_precision]
+        vg = min(cfg.value_group_channels, cfg.head_dim)
+        self.codecs = {level: Codec(b, cfg.block_size, vg) for level, b in zip(Level, bits)}
+        geometry = (cfg.num_layers, cfg.num_kv_heads, cfg.block_size, cfg.head_dim)
+        self.device_pool = TensorPool(Level.DEVICE, self.codecs[Level.DEVICE], cfg.device_slots, *geometry, cfg.device)
+        pin = cfg.device.type == "cuda"
+        self.host_pool = TensorPool(Level.HOST, self.codecs[Level.HOST], cfg.host_slots, *geometry,
+                                    torch.device("cpu"), pin_memory=pin)
+        self.disk_pool = None
+        slots = {Level.DEVICE: cfg.device_slots, Level.HOST: cfg.host_slots}
+        if cfg.cold_zone_enabled:
+            self.disk_pool = DiskPool(self.codecs[Level.DISK], cfg.disk_slots, *geometry, cfg.cold_zone_dir,
+                                      cfg.model_fingerprint)
+            slots[Level.DISK] = cfg.disk_slots
+        self.blocks = BlockManager(slots)
+        # The newest, still-filling block of each sequence: unquantized, in the device arena.
+        self.staging = torch.zeros((cfg.max_num_seqs, 2, cfg.num_layers, cfg.num_kv_heads, cfg.block_size,
+                                    cfg.head_dim), dtype=KV_DTYPE, device=cfg.device)
+        self._free_staging = list(range(cfg.max_num_seqs))
+        self.seqs: dict[int, _Sequence] = {}
+        self.bytes_moved: dict[str, int] = {"L0->L1": 0, "L1->L2": 0, "new->L0": 0, "new->L1": 0}
+        self.selected_blocks = {Level.HOST: 0, Level.DISK: 0}
+        self.candidate_blocks = {Level.HOST: 0, Level.DISK: 0}
+
+    # ---- sequence lifecycle -----------------------------------------------------------------------------------
+
+    def add_sequence(self, seq_id: int) -> None:
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} already exists")
+        if not self._free_staging:
+            raise CapacityError(
+                f"{self.cfg.max_num_seqs} sequences are already alive (max_num_seqs); finish one or raise max_num_seqs"
+            )
+        self.blocks.add_sequence(seq_id)
+        self.seqs[seq_id] = _Sequence(staging_index=self._free_staging.pop())
+
+    def free_sequence(self, seq_id: int) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        for level, slot in self.blocks.free_sequence(seq_id):
+            if level == Level.DISK and self.disk_pool is not None:
+                self.disk_pool.free(slot)
+        self._free_staging.append(seq.staging_index)
+
+    def sequence_ids(self) -> list[int]:
+        return list(self.seqs)
+
+    def num_tokens(self, seq_id: int) -> int:
+        return self.seqs[seq_id].num_tokens
+
+    def pin_span(self, seq_id: int, start: int, end: int) -> None:
+        """Keep tokens [start, end) of the sequence in L0 whatever the window (e.g. a system prompt)."""
+        seq = self.seqs[seq_id]
+        seq.pinned_spans.append((start, end))
+        bs = self.cfg.block_size
+        table = self.blocks.tables[seq_id]
+        for i in range(start // bs, min(len(table.blocks), -(-end // bs))):
+            table.blocks[i].pinned = True
+            if Level.DEVICE not in table.blocks[i].slots:
+                self._promote_to_device(seq_id, i)
+
+    # ---- attention --------------------------------------------------------------------------------------------
+
+    def attend(self, layer_idx, batch: ForwardBatch, q, k, v) -> torch.Tensor:
+        if len(batch.slices) == 1:
+            return self._attend_one(layer_idx, batch.slices[0], q, k, v)
+        out = torch.empty_like(q)
+        for s in batch.slices:
+            sl = slice(s.token_start, s.token_end)
+            out[sl] = self._attend_one(layer_idx, s, q[sl], k[sl], v[sl])
+        return out
+
+    def _attend_one(self, layer: int, s: SequenceSlice, q, k, v) -> torch.Tensor:
+        # q: [n, num_heads, head_dim]; k, v: [n, num_kv_heads, head_dim]
+        seq = self.seqs[s.seq_id]
+        new_k = k.transpose(0, 1).to(KV_DTYPE)  # [num_kv_heads, n, head_dim]
+        new_v = v.transpose(0, 1).to(KV_DTYPE)
+        seq.pending.append((new_k, new_v))
+        staged = self.staging[seq.staging_index, :, layer, :, : seq.num_staged]  # [2, num_kv_heads, staged, head_dim]
+        recent_k = torch.cat((staged[0], new_k), dim=1)
+        recent_v = torch.cat((staged[1], new_v), dim=1)
+        partials = [partial_attention(q, recent_k, recent_v, causal_offset=seq.num_staged)]
+        table = self.blocks.tables[s.seq_id]
+        decoding = s.num_new_tokens == 1 and self.cfg.selection == "quest"
+        for level in Level:
+            indices = table.blocks_on(level)
+            if not indices:
+                continue
+            if decoding and level != Level.DEVICE:
+                budget = self._budget(level, len(indices))
+                self.candidate_blocks[level] += len(indices)
+                chosen = select_blocks(q[0], seq.digest[indices, layer], budget)  # [num_kv_heads, budget]
+                self.selected_blocks[level] += chosen.shape[1]
+                per_head = torch.as_tensor(indices, device=chosen.device)[chosen]
+            else:
+                per_head = None
+            keys, values = self._gather(level, s.seq_id, indices, per_head, layer)
+            partials.append(partial_attention(q, keys, values))
+        return merge_partials(partials).to(q.dtype)
+
+    def _budget(self, level: Level, num_candidates: int) -> int:
+        if level == Level.HOST:
+            wanted = self.cfg.warm_budget_tokens // self.cfg.block_size
+        else:
+            wanted = math.ceil(self.cfg.semantic_truncate_threshold * num_candidates)
+        return max(1, min(num_candidates, wanted))
+
+    def _gather(self, level: Level, seq_id: int, indices: list[int], per_head: torch.Tensor | None, layer: int):
+        """Keys and values [num_kv_heads, tokens, head_dim] of the chosen blocks of one level, decoded."""
+        table = self.blocks.tables[seq_id]
+        if per_head is None:
+            needed = indices
+        else:
+            needed = sorted(set(per_head.flatten().tolist()))
+        slots = [table.blocks[i].slots[level] for i in needed]
+        codec = self.codecs[level]
+        if level == Level.DISK:
+            assert self.disk_pool is not None
+            parts = self.disk_pool.get_layer(slots, layer)
+        else:
+            pool = self.device_pool if level == Level.DEVICE else self.host_pool
+            parts = pool.get_layer(torch.as_tensor(slots, device=pool.storage[next(iter(pool.storage))].device), layer)
+        keys, values = codec.decode(parts, torch.float32)  # [blocks, num_kv_heads, block_size, head_dim]
+        keys, values = keys.to(self.cfg.device), values.to(self.cfg.device)
+        heads = self.cfg.num_kv_heads
+        if per_head is not None:
+            # Each KV head reads its own chosen blocks: position of each chosen block within `needed`.
+            pos = torch.searchsorted(torch.as_tensor(needed, device=per_head.device), per_head)  # [heads, budget]
+            head_idx = torch.arange(heads, device=pos.device)[:, None]
+            keys, values = keys[pos, head_idx], values[pos, head_idx]  # [heads, budget, block_size, head_dim]
+            return keys.reshape(heads, -1, self.cfg.head_dim), values.reshape(heads, -1, self.cfg.head_dim)
+        keys = keys.transpose(0, 1).reshape(heads, -1, self.cfg.head_dim)
+        values = values.transpose(0, 1).reshape(heads, -1, self.cfg.head_dim)
+        return keys, values
+
+    # ---- commit and placement ---------------------------------------------------------------------------------
+
+    def commit(self, batch: ForwardBatch) -> None:
+        for s in batch.slices:
+            self._commit_one(s)
+
+    def _commit_one(self, s: SequenceSlice) -> None:
+        seq = self.seqs[s.seq_id]
+        cfg = self.cfg
+        staged = self.staging[seq.staging_index, :, :, :, : seq.num_staged]  # [2, L, heads, staged, D]
+        new_k = torch.stack([pk for pk, _ in seq.pending])  # [L, heads, n, D]
+        new_v = torch.stack([pv for _, pv in seq.pending])
+        seq.pending.clear()
+        all_k = torch.cat((staged[0], new_k), dim=2)
+        all_v = torch.cat((staged[1], new_v), dim=2)
+        total = all_k.shape[2]
+        full = total // cfg.block_size
+        for b in range(full):
+            sl = slice(b * cfg.block_size, (b + 1) * cfg.block_size)
+            self._write_block(s.seq_id, all_k[:, :, sl], all_v[:, :, sl])
+        rest = total - full * cfg.block_size
+        if rest:
+            self.staging[seq.staging_index, 0, :, :, :rest] = all_k[:, :, full * cfg.block_size :]
+            self.staging[seq.staging_index, 1, :, :, :rest] = all_v[:, :, full * cfg.block_size :]
+        seq.num_staged = rest
+        seq.num_tokens += s.num_new_tokens
+        self._place(s.seq_id)
+
+    def _write_block(self, seq_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A block just filled: k, v [num_layers, num_kv_heads, block_size, head_dim] in KV_DTYPE."""
+        seq = self.seqs[seq_id]
+        cfg = self.cfg
+        index = len(self.blocks.tables[seq_id].blocks)
+        start = index * cfg.block_size
+        pinned = index < cfg.num_sink_blocks or any(a < start + cfg.block_size and start < b
+                                                    for a, b in seq.pinned_spans)
+        self.blocks.append_block(seq_id, pinned=pinned)
+        # Digest for selection: per layer and KV head, the channel-wise min and max of the block's keys.
+        digest = torch.stack((k.amin(dim=2), k.amax(dim=2)), dim=2).float()  # [L, heads, 2, D]
+        if seq.digest is None or seq.digest.shape[0] <= index:
+            capacity = max(64, 2 * (index + 1))
+            grown = torch.empty((capacity, *digest.shape), dtype=torch.float32, device=cfg.device)
+            if seq.digest is not None:
+                grown[: seq.digest.shape[0]] = seq.digest
+            seq.digest = grown
+        seq.digest[index] = digest
+        host_slot = self._allocate(Level.HOST)
+        self.host_pool.put(host_slot, self.codecs[Level.HOST].encode(k, v))
+        self.blocks.attach(seq_id, index, Level.HOST, host_slot)
+        self.bytes_moved["new->L1"] += self.host_pool.bytes_per_slot
+        device_slot = self._allocate(Level.DEVICE)
+        self.device_pool.put(device_slot, self.codecs[Level.DEVICE].encode(k, v))
+        self.blocks.attach(seq_id, index, Level.DEVICE, device_slot)
+        self.bytes_moved["new->L0"] += self.device_pool.bytes_per_slot
+
+    def _place(self, seq_id: int) -> None:
+        """Move blocks that left the window to L1 and blocks that left the warm span to L2."""
+        cfg = self.cfg
+        table = self.blocks.tables[seq_id]
+        n = len(table.blocks)
+        window_blocks = cfg.active_window // cfg.block_size
+        warm_blocks = cfg.warm_tokens // cfg.block_size
+        for i in range(n):
+            block = table.blocks[i]
+            if block.pinned:
+                continue
+            age = n - 1 - i  # 0 = newest full block
+            if age >= window_blocks and Level.DEVICE in block.slots:
+                self._demote_from_device(seq_id, i)
+            if age >= window_blocks + warm_blocks and block.primary == Level.HOST and self.disk_pool is not None:
+                self._demote_to_disk(seq_id, i)
+
+    def _demote_from_device(self, seq_id: int, index: int) -> None:
+        # The FP16 master copy stays in L1: dropping the L0 copy loses nothing.
+        self.blocks.detach(seq_id, index, Level.DEVICE)
+        self.bytes_moved["L0->L1"] += self.device_pool.bytes_per_slot
+
+    def _demote_to_disk(self, seq_id: int, index: int) -> None:
+        assert self.disk_pool is not None
+        block = self.blocks.tables[seq_id].blocks[index]
+        slot = self._allocate(Level.DISK)
+        k, v = self.codecs[Level.HOST].decode(self.host_pool.get_block(block.slots[Level.HOST]), KV_DTYPE)
+        self.disk_pool.put(slot, self.codecs[Level.DISK].encode(k, v))
+        self.blocks.attach(seq_id, index, Level.DISK, slot)
+        self.blocks.detach(seq_id, index, Level.HOST)
+        self.bytes_moved["L1->L2"] += self.disk_pool.bytes_per_slot
+
+    def _promote_to_device(self, seq_id: int, index: int) -> None:
+        # Re-quantize from the FP16 copy when one exists, so promotion never compounds quantization error.
+        block = self.blocks.tables[seq_id].blocks[index]
+        if Level.HOST in block.slots:
+            k, v = self.codecs[Level.HOST].decode(self.host_pool.get_block(block.slots[Level.HOST]), KV_DTYPE)
+        else:
+            assert self.disk_pool is not None
+            layers = [self.disk_pool.get_layer([block.slots[Level.DISK]], layer) for layer in range(self.cfg.num_layers)]
+            parts = {name: torch.cat([p[name] for p in layers]) for name in layers[0]}
+            k, v = self.codecs[Level.DISK].decode(parts, KV_DTYPE)
+        slot = self._allocate(Level.DEVICE)
+        self.device_pool.put(slot, self.codecs[Level.DEVICE].encode(k, v))
+        self.blocks.attach(seq_id, index, Level.DEVICE, slot)
+
+    def _allocate(self, level: Level) -> int:
+        slot = self.blocks.allocate(level)
+        if slot is None:
+            self._make_room(level)
+            slot = self.blocks.allocate(level)
+        if slot is None:
+            raise CapacityError(self._full_message(level))
+        return slot
+
+    def _make_room(self, level: Level) -> None:
+        """Pressure: demote the oldest movable block of any sequence off `level`."""
+        victim = None
+        for seq_id, table in self.blocks.tables.items():
+            n = len(table.blocks)
+            for i, block in enumerate(table.blocks):
+                movable = not block.pinned and (
+                    (level == Level.DEVICE and Level.DEVICE in block.slots)
+                    or (level == Level.HOST and block.primary == Level.HOST and self.disk_pool is not None)
+                )
+                if movable:
+                    age = n - 1 - i
+                    if victim is None or age > victim[0]:
+                        victim = (age, seq_id, i)
+                    break  # blocks are in age order: the first movable one is this sequence's oldest
+        if victim is None:
+            return
+        _, seq_id, i = victim
+        if level == Level.DEVICE:
+            self._demote_from_device(seq_id, i)
+        else:
+            self._demote_to_disk(seq_id, i)
+
+    def _full_message(self, level: Level) -> str:
+        if level == Level.DEVICE:
+            return ("the device KV pool is full of pinned blocks and newest windows; raise max_gpu_memory_mb, "
+                    "lower active_window, or run fewer sequences at once")
+        if level == Level.HOST:
+            hint = "" if self.disk_pool is not None else " or set cold_zone_enabled=True"
+            return f"the host KV pool is full (cpu_memory_gb); raise cpu_memory_gb{hint}"
+        return "the cold zone file is full; raise cold_zone_gb or shorten the context"
+
+    # ---- reporting --------------------------------------------------------------------------------------------
+
+    def device_bytes_used(self) -> int:
+        """Bytes of KV held in device memory now: L0 slots in use plus the staging blocks of live sequences."""
+        staging = self.staging[0].numel() * self.staging.element_size()
+        used = self.blocks.allocators[Level.DEVICE].num_used * self.device_pool.bytes_per_slot
+        return used + staging * len(self.seqs)
+
+    def device_bytes_capacity(self) -> int:
+        return self.device_pool.capacity_bytes + self.staging.numel() * self.staging.element_size()
+
+    def stats(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {
+            "num_sequences": len(self.seqs),
+            "num_tokens": sum(s.num_tokens for s in self.seqs.values()),
+        }
+        pools = {Level.DEVICE: self.device_pool, Level.HOST: self.host_pool, Level.DISK: self.disk_pool}
+        for level, st in self.blocks.level_stats().items():
+            name = f"L{int(level)}"
+            pool = pools[level]
+            out[f"{name}_blocks"] = st["slots_used"]
+            out[f"{name}_blocks_total"] = st["slots_total"]
+            out[f"{name}_bytes"] = st["slots_used"] * pool.bytes_per_slot
+            out[f"{name}_bytes_capacity"] = pool.capacity_bytes
+        out["L0_bytes"] = self.device_bytes_used()
+        out["L0_bytes_capacity"] = self.device_bytes_capacity()
+        for level in (Level.HOST, Level.DISK):
+            cand = self.candidate_blocks[level]
+            out[f"L{int(level)}_selected_fraction"] = self.selected_blocks[level] / cand if cand else 0.0
+        for route, n in self.bytes_moved.items():
+            out[f"bytes_moved_{route}"] = n
+        if self.disk_pool is not None:
+            out["L2_bytes_read"] = self.disk_pool.bytes_read
+            for reason, n in self.disk_pool.load_failures.items():
+                out[f"L2_load_failures_{reason}"] = n
+        return out
+
+    def close(self) -> None:
+        if self.disk_pool is not None:
+            self.disk_pool.close()

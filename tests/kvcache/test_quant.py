@@ -1,0 +1,59 @@
+"""Codec round trips: INT4/INT2 errors stay within half a quantization step of a float reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashmemory.kvcache.quant import Codec, pack, unpack
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_pack_unpack_is_lossless(bits):
+    codes = torch.randint(0, 1 << bits, (3, 5, 64), dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.shape == (3, 5, 64 * bits // 8)
+    assert torch.equal(unpack(packed, bits), codes)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_round_trip_error_is_bounded_by_half_a_step(bits):
+    torch.manual_seed(0)
+    k = torch.randn(30, 3, 16, 64) * 2 + torch.randn(1, 1, 1, 64) * 5  # per-channel offsets, like real keys
+    v = torch.randn(30, 3, 16, 64)
+    codec = Codec(bits=bits, key_group_tokens=16, value_group_channels=32)
+    parts = codec.encode(k, v)
+    k2, v2 = codec.decode(parts, torch.float32)
+    levels = (1 << bits) - 1
+    # Keys: per channel over the 16 tokens; values: per token over 32-channel groups.
+    k_step = (k.amax(-2, keepdim=True) - k.amin(-2, keepdim=True)) / levels
+    vg = v.reshape(30, 3, 16, 2, 32)
+    v_step = ((vg.amax(-1, keepdim=True) - vg.amin(-1, keepdim=True)) / levels).expand_as(vg).reshape(v.shape)
+    # Half a step plus fp16 rounding of scale and zero point.
+    assert ((k2 - k).abs() <= k_step / 2 + 1e-2 * k.abs().amax()).all()
+    assert ((v2 - v).abs() <= v_step / 2 + 1e-2 * v.abs().amax()).all()
+
+
+def test_int4_keeps_relative_error_small_and_int2_larger():
+    torch.manual_seed(1)
+    k, v = torch.randn(4, 2, 16, 64), torch.randn(4, 2, 16, 64)
+    err = {}
+    for bits in (2, 4):
+        k2, v2 = Codec(bits).decode(Codec(bits).encode(k, v), torch.float32)
+        err[bits] = ((k2 - k).norm() / k.norm()).item()
+    assert err[4] < 0.1 < err[2] < 0.5
+
+
+def test_fp16_codec_is_a_cast():
+    k, v = torch.randn(2, 16, 8), torch.randn(2, 16, 8)
+    k2, v2 = Codec(16).decode(Codec(16).encode(k, v), torch.float32)
+    assert torch.equal(k2, k.half().float()) and torch.equal(v2, v.half().float())
+
+
+@pytest.mark.parametrize("bits", [2, 4, 16])
+def test_nbytes_matches_the_encoded_parts(bits):
+    codec = Codec(bits)
+    parts = codec.encode(torch.randn(30, 3, 16, 64), torch.randn(30, 3, 16, 64))
+    assert codec.nbytes((30, 3), 16, 64) == sum(p.numel() * p.element_size() for p in parts.values())
+    shapes = codec.part_shapes((30, 3), 16, 64)
+    assert {name: (tuple(p.shape), p.dtype) for name, p in parts.items()} == shapes
