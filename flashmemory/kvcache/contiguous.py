@@ -83,7 +83,10 @@ class ContiguousKVCache(KVCache):
         kv = self._reserve(s.seq_id, end)[layer_idx]  # [2, num_kv_heads, capacity, head_dim]
         kv[0, :, start:end] = k.transpose(0, 1)
         kv[1, :, start:end] = v.transpose(0, 1)
-        return causal_attention(q, kv[0, :, :end], kv[1, :, :end], start, self.sliding_window_tokens)
+        keys, values = kv[0, :, :end], kv[1, :, :end]
+        if keys.dtype != q.dtype:  # reduced-precision storage (the FP16 baseline): compute in the model dtype
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        return causal_attention(q, keys, values, start, self.sliding_window_tokens)
 
     def commit(self, batch: ForwardBatch) -> None:
         for s in batch.slices:

@@ -160,7 +160,7 @@ class DiskPool:
 
     def _unflatten(self, data: bytes, n: int) -> Parts:
         # data is n segments back to back; each segment is the parts in order, for one slot.
-        buf = np.frombuffer(data, dtype=np.uint8).reshape(n, self.segment_bytes)
+        buf = np.frombuffer(bytearray(data), dtype=np.uint8).reshape(n, self.segment_bytes)
         parts: Parts = {}
         offset = 0
         for name, (shape, dtype) in self.part_shapes.items():

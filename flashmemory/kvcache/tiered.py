@@ -167,7 +167,7 @@ class TieredKVCache(KVCache):
                 per_head = torch.as_tensor(indices, device=chosen.device)[chosen]
             else:
                 per_head = None
-            keys, values = self._gather(level, s.seq_id, indices, per_head, layer)
+            keys, values = self._gather(level, s.seq_id, indices, per_head, layer, q.dtype)
             partials.append(partial_attention(q, keys, values))
         return merge_partials(partials).to(q.dtype)
 
@@ -178,7 +178,8 @@ class TieredKVCache(KVCache):
             wanted = math.ceil(self.cfg.semantic_truncate_threshold * num_candidates)
         return max(1, min(num_candidates, wanted))
 
-    def _gather(self, level: Level, seq_id: int, indices: list[int], per_head: torch.Tensor | None, layer: int):
+    def _gather(self, level: Level, seq_id: int, indices: list[int], per_head: torch.Tensor | None, layer: int,
+                dtype: torch.dtype):
         """Keys and values [num_kv_heads, tokens, head_dim] of the chosen blocks of one level, decoded."""
         table = self.blocks.tables[seq_id]
         if per_head is None:
@@ -193,7 +194,8 @@ class TieredKVCache(KVCache):
         else:
             pool = self.device_pool if level == Level.DEVICE else self.host_pool
             parts = pool.get_layer(torch.as_tensor(slots, device=pool.storage[next(iter(pool.storage))].device), layer)
-        keys, values = codec.decode(parts, torch.float32)  # [blocks, num_kv_heads, block_size, head_dim]
+        # [blocks, num_kv_heads, block_size, head_dim]
+        keys, values = codec.decode(parts, torch.promote_types(dtype, torch.float32))
         keys, values = keys.to(self.cfg.device), values.to(self.cfg.device)
         heads = self.cfg.num_kv_heads
         if per_head is not None:
@@ -242,7 +244,20 @@ class TieredKVCache(KVCache):
         start = index * cfg.block_size
         pinned = index < cfg.num_sink_blocks or any(a < start + cfg.block_size and start < b
                                                     for a, b in seq.pinned_spans)
+        # Take both slots before the block enters the table, so a full level leaves no half-placed block behind.
+        host_slot = self._allocate(Level.HOST)
+        try:
+            device_slot = self._allocate(Level.DEVICE)
+        except CapacityError:
+            self.blocks.allocators[Level.HOST].free(host_slot)
+            raise
+        self.host_pool.put(host_slot, self.codecs[Level.HOST].encode(k, v))
+        self.device_pool.put(device_slot, self.codecs[Level.DEVICE].encode(k, v))
         self.blocks.append_block(seq_id, pinned=pinned)
+        self.blocks.attach(seq_id, index, Level.HOST, host_slot)
+        self.blocks.attach(seq_id, index, Level.DEVICE, device_slot)
+        self.bytes_moved["new->L1"] += self.host_pool.bytes_per_slot
+        self.bytes_moved["new->L0"] += self.device_pool.bytes_per_slot
         # Digest for selection: per layer and KV head, the channel-wise min and max of the block's keys.
         digest = torch.stack((k.amin(dim=2), k.amax(dim=2)), dim=2).float()  # [L, heads, 2, D]
         if seq.digest is None or seq.digest.shape[0] <= index:
@@ -252,14 +267,6 @@ class TieredKVCache(KVCache):
                 grown[: seq.digest.shape[0]] = seq.digest
             seq.digest = grown
         seq.digest[index] = digest
-        host_slot = self._allocate(Level.HOST)
-        self.host_pool.put(host_slot, self.codecs[Level.HOST].encode(k, v))
-        self.blocks.attach(seq_id, index, Level.HOST, host_slot)
-        self.bytes_moved["new->L1"] += self.host_pool.bytes_per_slot
-        device_slot = self._allocate(Level.DEVICE)
-        self.device_pool.put(device_slot, self.codecs[Level.DEVICE].encode(k, v))
-        self.blocks.attach(seq_id, index, Level.DEVICE, device_slot)
-        self.bytes_moved["new->L0"] += self.device_pool.bytes_per_slot
 
     def _place(self, seq_id: int) -> None:
         """Move blocks that left the window to L1 and blocks that left the warm span to L2."""

@@ -12,20 +12,21 @@ def partial_attention(
 
     q: [n, num_heads, head_dim]; k, v: [num_kv_heads, m, head_dim] (m keys, the same for every query)
     causal_offset: when given, query t sees key j only if j <= causal_offset + t (keys are the newest tokens)
-    returns out [n, num_heads, head_dim] float32 and lse [n, num_heads] float32
+    returns out [n, num_heads, head_dim] and lse [n, num_heads], in float32 (float64 if q is float64)
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads, m, _ = k.shape
     group = num_heads // num_kv_heads
+    dtype = torch.promote_types(q.dtype, torch.float32)  # never accumulate below float32
     # Stack the queries of a KV group so K/V are read once per KV head: [num_kv_heads, group * n, head_dim]
-    qg = q.float().view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
-    scores = torch.bmm(qg, k.float().transpose(1, 2)).mul_(head_dim**-0.5)  # [num_kv_heads, group * n, m]
+    qg = q.to(dtype).view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
+    scores = torch.bmm(qg, k.to(dtype).transpose(1, 2)).mul_(head_dim**-0.5)  # [num_kv_heads, group * n, m]
     if causal_offset is not None and n > 1:
         t = torch.arange(n, device=q.device).repeat(group)  # query row -> its token index
         hidden = torch.arange(m, device=q.device)[None, :] > (causal_offset + t)[:, None]  # [group * n, m]
         scores.masked_fill_(hidden, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [num_kv_heads, group * n]
-    out = torch.bmm(torch.exp(scores - lse.unsqueeze(-1)), v.float())  # [num_kv_heads, group * n, head_dim]
+    out = torch.bmm(torch.exp(scores - lse.unsqueeze(-1)), v.to(dtype))  # [num_kv_heads, group * n, head_dim]
     out = out.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
     lse = lse.view(num_kv_heads, group, n).permute(2, 0, 1).reshape(n, num_heads)
     return out, lse

@@ -1,0 +1,106 @@
+"""The tiered cache on a tiny model: exact when nothing is lossy, budgets hold, all three levels are used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashmemory import FlashMemoryEngine
+from flashmemory.kvcache.blocks import Level
+from flashmemory.kvcache.contiguous import ContiguousKVCache
+
+TINY_LEVELS = dict(block_size=8, active_window=16, warm_tokens=16, prefill_chunk_tokens=24, cpu_memory_gb=0.01,
+                   cold_zone_gb=0.01)
+
+
+def _teacher_forced_logits(engine, ids: list[int], prefill: int) -> torch.Tensor:
+    """Prefill `prefill` tokens (chunked), then one token at a time; logits of every position."""
+    seq = 12345
+    engine.cache.add_sequence(seq)
+    try:
+        steps = [engine._forward(seq, ids[:prefill], all_logits=True)]
+        steps += [engine._forward(seq, [t]) for t in ids[prefill:]]
+    finally:
+        engine.cache.free_sequence(seq)
+    return torch.cat(steps)
+
+
+@pytest.fixture(scope="module")
+def ids(tiny_llama) -> list[int]:
+    return torch.randint(3, 300, (120,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def test_fp16_exact_selection_over_three_levels_equals_the_contiguous_cache(tiny_llama, ids):
+    tiered = FlashMemoryEngine(model_path=str(tiny_llama), kv_precision="fp16", selection="exact", **TINY_LEVELS)
+    exact = FlashMemoryEngine(model_path=str(tiny_llama), kv_cache="contiguous", kv_precision="fp16")
+    assert isinstance(exact.cache, ContiguousKVCache) and exact.cache.dtype == torch.float16
+    ours = _teacher_forced_logits(tiered, ids, prefill=70)
+    reference = _teacher_forced_logits(exact, ids, prefill=70)
+    assert (ours - reference).abs().max().item() <= 1e-4
+    moved = tiered.stats()
+    assert moved["bytes_moved_L0->L1"] > 0 and moved["bytes_moved_L1->L2"] > 0  # all three levels were used
+
+
+def test_fp16_exact_selection_equals_contiguous_on_smollm2(smollm2_path, alice_text):
+    # float64 compute: SmolLM2's float32 logits move by ~1e-2 under any change of summation order (even the
+    # contiguous cache against itself with another prefill chunk size), so 1e-4 is checked where it means exact.
+    small = dict(dtype="float64", block_size=16, active_window=64, warm_tokens=64, prefill_chunk_tokens=128, cpu_memory_gb=0.1,
+                 cold_zone_gb=0.1)
+    tiered = FlashMemoryEngine(model_path=str(smollm2_path), kv_precision="fp16", selection="exact", **small)
+    exact = FlashMemoryEngine(model_path=str(smollm2_path), kv_cache="contiguous", kv_precision="fp16",
+                              dtype="float64")
+    ids = tiered.tokenizer.encode(alice_text[3000:6000])[:300]
+    ours = _teacher_forced_logits(tiered, ids, prefill=290)
+    reference = _teacher_forced_logits(exact, ids, prefill=290)
+    assert (ours - reference).abs().max().item() <= 1e-4
+    assert tiered.stats()["bytes_moved_L1->L2"] > 0
+
+
+def test_mixed_precision_with_selection_stays_close(tiny_llama, ids):
+    tiered = FlashMemoryEngine(model_path=str(tiny_llama), semantic_truncate_threshold=0.5, warm_budget_tokens=8,
+                               **TINY_LEVELS)
+    exact = FlashMemoryEngine(model_path=str(tiny_llama), kv_cache="contiguous")
+    ours = torch.softmax(_teacher_forced_logits(tiered, ids, prefill=70), -1)
+    reference = torch.softmax(_teacher_forced_logits(exact, ids, prefill=70), -1)
+    assert (ours - reference).abs().sum(-1).max().item() < 0.5  # total variation per position
+    s = tiered.stats()
+    assert 0 < s["L2_selected_fraction"] < 1 and 0 < s["L1_selected_fraction"] <= 1
+
+
+def test_device_pool_never_exceeds_its_capacity_with_several_sequences(tiny_llama):
+    engine = FlashMemoryEngine(model_path=str(tiny_llama), max_num_seqs=3, **TINY_LEVELS)
+    cache = engine.cache
+    capacity = cache.device_bytes_capacity()
+    prompts = [list(range(3, 3 + n)) for n in (10, 41, 77)]
+    for i, p in enumerate(prompts):
+        cache.add_sequence(i)
+        engine._forward(i, p)
+    for step in range(60):
+        for i in range(3):
+            engine._forward(i, [5 + step % 7])
+            assert cache.device_bytes_used() <= capacity
+            assert cache.blocks.allocators[Level.DEVICE].num_used <= cache.cfg.device_slots
+    engine.clear_cache()
+    s = engine.stats()
+    assert s["L0_blocks"] == s["L1_blocks"] == s["L2_blocks"] == 0 and s["num_sequences"] == 0
+
+
+def test_budget_too_small_for_weights_and_window_gives_the_startup_message(tiny_llama):
+    from flashmemory.errors import MemoryBudgetError
+
+    with pytest.raises(MemoryBudgetError) as e:
+        FlashMemoryEngine(model_path=str(tiny_llama), max_gpu_memory_mb=1, active_window=2048)
+    msg = str(e.value)
+    for part in ("max_gpu_memory_mb=1 is too small", "weights need", "active_window=2048",
+                 "The largest active_window that fits", "Raise max_gpu_memory_mb to at least"):
+        assert part in msg
+
+
+def test_host_level_full_without_cold_zone_says_so(tiny_llama):
+    from flashmemory.errors import CapacityError
+
+    engine = FlashMemoryEngine(model_path=str(tiny_llama), cold_zone_enabled=False, block_size=8, active_window=16,
+                               cpu_memory_gb=2e-5)
+    with pytest.raises(CapacityError, match="host KV pool is full.*cold_zone_enabled=True"):
+        engine.generate(list(range(3, 200)), max_new_tokens=2)
+    assert engine.cache.sequence_ids() == []
