@@ -37,7 +37,46 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--max-seq-len", type=int, default=None, help="context limit in tokens (default: the model's)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_kv_args(p)
+    p.add_argument("--stats", action="store_true", help="print the KV levels' bytes, blocks and traffic to stderr")
     p.set_defaults(func=_run_generate)
+
+
+def add_kv_args(p: argparse.ArgumentParser) -> None:
+    """The KV-hierarchy knobs, named as in the Python API (see EngineConfig)."""
+    g = p.add_argument_group("KV hierarchy")
+    g.add_argument("--kv-cache", choices=["tiered", "contiguous"], default=None)
+    g.add_argument("--kv-precision", choices=["mixed", "int4", "fp16"], default=None)
+    g.add_argument("--max-gpu-memory-mb", type=int, default=None, help="device budget: weights + workspace + L0")
+    g.add_argument("--active-window", type=int, default=None, help="newest tokens kept in L0 (default 2048)")
+    g.add_argument("--warm-tokens", type=int, default=None, help="tokens kept in L1 after the window (16384)")
+    g.add_argument("--semantic-truncate-threshold", type=float, default=None, help="fraction of L2 blocks read (0.15)")
+    g.add_argument("--warm-budget-tokens", type=int, default=None, help="L1 tokens read per decode step (1024)")
+    g.add_argument("--cpu-memory-gb", type=float, default=None, help="L1 capacity (4)")
+    g.add_argument("--no-cold-zone", dest="cold_zone_enabled", action="store_const", const=False, default=None,
+                   help="keep all older KV in L1 (no disk level)")
+    g.add_argument("--cold-zone-dir", default=None, help="folder of the L2 file (default: a temporary folder)")
+    g.add_argument("--cold-zone-gb", type=float, default=None, help="L2 capacity (16)")
+    g.add_argument("--block-size", default=None, help="tokens per block: 8..128 or auto (16)")
+    g.add_argument("--prefill-chunk-tokens", type=int, default=None, help="prompt tokens per forward (512)")
+    g.add_argument("--selection", choices=["quest", "exact"], default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+
+
+_KV_KNOBS = ("kv_cache", "kv_precision", "max_gpu_memory_mb", "active_window", "warm_tokens",
+             "semantic_truncate_threshold", "warm_budget_tokens", "cpu_memory_gb", "cold_zone_enabled",
+             "cold_zone_dir", "cold_zone_gb", "block_size", "prefill_chunk_tokens", "selection", "max_num_seqs")
+
+
+def kv_kwargs(args: argparse.Namespace) -> dict:
+    """Engine keywords for the KV knobs the user set on the command line."""
+    out = {k: getattr(args, k) for k in _KV_KNOBS if getattr(args, k, None) is not None}
+    if isinstance(out.get("block_size"), str) and out["block_size"] != "auto":
+        try:
+            out["block_size"] = int(out["block_size"])
+        except ValueError:
+            raise FlashMemoryError(f"--block-size {out['block_size']!r}: use a number of tokens or 'auto'") from None
+    return out
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -73,7 +112,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     SamplingParams(**params)
     engine = FlashMemoryEngine(
         model_path=args.model, device=args.device, dtype=args.dtype,
-        max_seq_len=args.max_seq_len, num_threads=args.threads,
+        max_seq_len=args.max_seq_len, num_threads=args.threads, **kv_kwargs(args),
     )
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
@@ -87,7 +126,30 @@ def _run_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(engine.last_stats.summary(), file=sys.stderr)
+    if args.stats:
+        print(format_kv_stats(engine.stats()), file=sys.stderr)
+    engine.close()
     return 0
+
+
+def format_kv_stats(stats: dict) -> str:
+    """One line per level: blocks and bytes used of capacity; then traffic and selection."""
+    lines = []
+    for level, name in ((0, "L0 device"), (1, "L1 host"), (2, "L2 disk")):
+        key = f"L{level}_bytes"
+        if key in stats:
+            lines.append(f"{name:10s} {stats.get(f'L{level}_blocks', 0):6d} blocks  {stats[key] / 2**20:9.2f} MiB "
+                         f"of {stats[f'L{level}_bytes_capacity'] / 2**20:.1f} MiB")
+    moved = ", ".join(f"{k.removeprefix('bytes_moved_')} {v / 2**20:.1f} MiB" for k, v in stats.items()
+                      if k.startswith("bytes_moved_"))
+    if moved:
+        lines.append(f"moved      {moved}")
+    sel = [f"{k.split('_')[0]} {v:.1%}" for k, v in stats.items() if k.endswith("_selected_fraction")]
+    if sel:
+        lines.append(f"selected   {', '.join(sel)} of candidate blocks per decode step")
+    if "kv_bytes_used" in stats:
+        lines.append(f"KV (contiguous) {stats['kv_bytes_used'] / 2**20:.2f} MiB")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:

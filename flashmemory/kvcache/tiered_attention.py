@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+# torch's fused CPU attention kernel also returns the log-sum-exp we need to merge partial results.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
 
 def partial_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int | None = None
@@ -20,15 +23,25 @@ def partial_attention(
     dtype = torch.promote_types(q.dtype, torch.float32)  # never accumulate below float32
     # Stack the queries of a KV group so K/V are read once per KV head: [num_kv_heads, group * n, head_dim]
     qg = q.to(dtype).view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
-    scores = torch.bmm(qg, k.to(dtype).transpose(1, 2)).mul_(head_dim**-0.5)  # [num_kv_heads, group * n, m]
+    k, v = k.to(dtype), v.to(dtype)
+    hidden = None
     if causal_offset is not None and n > 1:
         t = torch.arange(n, device=q.device).repeat(group)  # query row -> its token index
         hidden = torch.arange(m, device=q.device)[None, :] > (causal_offset + t)[:, None]  # [group * n, m]
-        scores.masked_fill_(hidden, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [num_kv_heads, group * n]
-    out = torch.bmm(torch.exp(scores - lse.unsqueeze(-1)), v.to(dtype))  # [num_kv_heads, group * n, head_dim]
-    out = out.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
-    lse = lse.view(num_kv_heads, group, n).permute(2, 0, 1).reshape(n, num_heads)
+    if _FLASH_CPU is not None and q.device.type == "cpu" and dtype == torch.float32:
+        mask = None
+        if hidden is not None:
+            mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))[None, None]
+        out, lse = _FLASH_CPU(qg.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask)
+        out, lse = out[0], lse[0]  # [num_kv_heads, group * n, head_dim], [num_kv_heads, group * n]
+    else:
+        scores = torch.bmm(qg, k.transpose(1, 2)).mul_(head_dim**-0.5)  # [num_kv_heads, group * n, m]
+        if hidden is not None:
+            scores.masked_fill_(hidden, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [num_kv_heads, group * n]
+        out = torch.bmm(torch.exp(scores - lse.unsqueeze(-1)), v)  # [num_kv_heads, group * n, head_dim]
+    out = out.reshape(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+    lse = lse.reshape(num_kv_heads, group, n).permute(2, 0, 1).reshape(n, num_heads)
     return out, lse
 
 
