@@ -152,12 +152,61 @@ def format_kv_stats(stats: dict) -> str:
     return "\n".join(lines)
 
 
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="fidelity of KV configurations against the exact cache (perplexity, KL, top-1, passkey)",
+        description="Score a long text with the exact FP16 contiguous cache and each configuration; print a "
+        "table and optionally write JSON.",
+    )
+    p.add_argument("text", nargs="?", default=None, help="long text file (default: ../shared/data/alice29.txt)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--window-tokens", type=int, default=8192, help="tokens of text scored (capped by the model)")
+    p.add_argument("--decode-tokens", type=int, default=128, help="last tokens fed one at a time (teacher forcing)")
+    p.add_argument("--config", action="append", default=[], metavar="NAME:key=value,...",
+                   help="a configuration to compare (repeatable); default: mixed, int4, mixed-all-blocks")
+    p.add_argument("--passkey-depths", type=float, nargs="*", default=[0.1, 0.5, 0.9])
+    p.add_argument("--passkey-tokens", type=int, default=1500)
+    p.add_argument("--passkey-window", type=int, default=256, help="active_window/warm_tokens for the passkey runs")
+    p.add_argument("--json", default=None, help="write the full report here")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="auto")
+    p.set_defaults(func=_run_eval)
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from flashmemory.engine.engine import FlashMemoryEngine
+    from flashmemory.tools.eval import DEFAULT_CONFIGS, default_text_path, parse_config, run_eval, write_json
+
+    path = Path(args.text) if args.text else default_text_path()
+    if path is None:
+        raise FlashMemoryError("no text given and ../shared/data/alice29.txt not found: pass a long text file")
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise FlashMemoryError(f"cannot read {path}: {e.strerror}") from e
+    configs = dict(parse_config(c) for c in args.config) if args.config else DEFAULT_CONFIGS
+    engine = FlashMemoryEngine(model_path=args.model, num_threads=args.threads, dtype=args.dtype,
+                               kv_cache="contiguous")
+    report = run_eval(engine, text, args.window_tokens, args.decode_tokens, configs, args.passkey_depths,
+                      args.passkey_tokens, args.passkey_window, log=lambda m: print(m, file=sys.stderr))
+    report["text"] = str(path)
+    print(report["table"])
+    if args.json:
+        write_json(Path(args.json), report)
+    engine.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashmemory", description="FlashMemory long-context LLM inference")
     parser.add_argument("--log-level", default=os.environ.get("FLASHMEMORY_LOG_LEVEL", "WARNING"),
                         help="DEBUG, INFO, WARNING (default) or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_eval(sub)
     return parser
 
 

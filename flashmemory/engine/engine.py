@@ -6,6 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -107,6 +108,48 @@ class FlashMemoryEngine:
         loop = self._generation_loop(prompt_ids, params, started)
         return [token for token, _ in loop if token is not None]
 
+    def score_tokens(self, token_ids: list[int], num_teacher_forced: int = 0) -> "ScoreResult":
+        """Log-probabilities the model gives each next token of `token_ids` (for perplexity and fidelity).
+
+        The first len - num_teacher_forced tokens are prefilled in chunks (their next-token log-probs come from
+        the prefill); the last num_teacher_forced tokens are fed one at a time as in generation, so query-aware
+        selection and quantized levels act exactly as when decoding. Returns per-position log-probs of the
+        actual next token, plus the full log-softmax of the teacher-forced positions.
+        """
+        self._check_prompt(token_ids, max_new_tokens=0)
+        n_prefill = len(token_ids) - num_teacher_forced
+        if n_prefill < 1:
+            raise ConfigError("num_teacher_forced must leave at least one token to prefill")
+        seq_id = next(self._seq_ids)
+        self.cache.add_sequence(seq_id)
+        target = torch.tensor(token_ids[1:], device=self.device)
+        prefill_lp: list[torch.Tensor] = []
+        decode_dists: list[torch.Tensor] = []
+        try:
+            chunk = self.config.prefill_chunk_tokens
+            for start in range(0, n_prefill, chunk):
+                piece = token_ids[start : min(start + chunk, n_prefill)]
+                logits = self._forward(seq_id, piece, all_logits=True)
+                lp = torch.log_softmax(logits, dim=-1)
+                ends = torch.arange(start, start + len(piece), device=self.device)
+                valid = ends < len(token_ids) - 1
+                prefill_lp.append(lp[valid].gather(1, target[ends[valid]][:, None])[:, 0])
+            t0 = time.perf_counter()
+            for pos in range(n_prefill, len(token_ids)):
+                lp = torch.log_softmax(self._forward(seq_id, [token_ids[pos]])[-1], dim=-1)
+                if pos < len(token_ids) - 1:
+                    decode_dists.append(lp)
+            decode_seconds = time.perf_counter() - t0
+            kv_stats = dict(self.cache.stats())
+        finally:
+            self.cache.free_sequence(seq_id)
+        dists = torch.stack(decode_dists) if decode_dists else torch.empty(0)
+        all_lp = torch.cat(prefill_lp) if prefill_lp else torch.empty(0)
+        if decode_dists:
+            forced = target[n_prefill:]  # decode step at position p predicts token p + 1
+            all_lp = torch.cat([all_lp, dists.gather(1, forced[:, None])[:, 0]])
+        return ScoreResult(all_lp, dists, n_prefill, decode_seconds, num_teacher_forced, kv_stats)
+
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [len(token_ids), vocab] of one forward over the tokens (for evaluation and tests)."""
         self._check_prompt(token_ids, max_new_tokens=0)
@@ -116,6 +159,15 @@ class FlashMemoryEngine:
             return self._forward(seq_id, token_ids, all_logits=True)
         finally:
             self.cache.free_sequence(seq_id)
+
+    def reconfigure_kv(self, **knobs: Any) -> None:
+        """Replace the KV cache with one built from changed KV settings (weights stay loaded).
+
+        Knobs are EngineConfig fields (kv_cache, kv_precision, active_window, ...); every sequence is dropped.
+        """
+        self.close()
+        self.config = self.config.replace(**knobs)
+        self.cache = self._build_cache()
 
     def clear_cache(self) -> None:
         """Free every sequence's KV on every level."""
@@ -219,6 +271,18 @@ class FlashMemoryEngine:
         finally:
             self.cache.free_sequence(seq_id)
             stats.peak_memory_bytes, stats.memory_kind = peak_memory(self.device)
+
+
+@dataclass
+class ScoreResult:
+    """Output of FlashMemoryEngine.score_tokens."""
+
+    token_logprobs: torch.Tensor  # [len - 1]: log p(token[t + 1] | tokens[: t + 1])
+    decode_logprobs: torch.Tensor  # [teacher-forced positions, vocab]: full log-softmax at each decode step
+    num_prefill_tokens: int
+    decode_seconds: float
+    num_decode_steps: int
+    kv_stats: dict[str, int | float]  # the cache's counters just before the sequence was freed
 
 
 def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:

@@ -9,9 +9,10 @@ from flashmemory.kvcache.quant import Codec, Parts
 
 
 class TensorPool:
-    """Owns one level's preallocated storage: per codec part, a tensor [num_slots, num_layers, num_kv_heads, ...].
+    """Owns one level's preallocated storage: per codec part, a tensor [num_layers, num_slots, num_kv_heads, ...].
 
-    A slot holds one block (block_size tokens) of every layer. Nothing is allocated after construction.
+    A slot holds one block (block_size tokens) of every layer. Layer-major, so one layer's blocks are gathered
+    from one contiguous tensor. Nothing is allocated after construction.
     """
 
     def __init__(
@@ -30,9 +31,10 @@ class TensorPool:
         self.codec = codec
         self.num_slots = num_slots
         self.block_size = block_size
-        shapes = codec.part_shapes((num_layers, num_kv_heads), block_size, head_dim)
+        shapes = codec.part_shapes((num_kv_heads,), block_size, head_dim)
+        self.device = device
         self.storage: dict[str, torch.Tensor] = {
-            name: torch.empty((num_slots, *shape), dtype=dtype, device=device, pin_memory=pin_memory)
+            name: torch.empty((num_layers, num_slots, *shape), dtype=dtype, device=device, pin_memory=pin_memory)
             for name, (shape, dtype) in shapes.items()
         }
         self.bytes_per_slot = codec.nbytes((num_layers, num_kv_heads), block_size, head_dim)
@@ -44,12 +46,12 @@ class TensorPool:
     def put(self, slot: int, parts: Parts) -> None:
         """Store an encoded block (parts shaped [num_layers, num_kv_heads, ...]) in `slot`."""
         for name, tensor in parts.items():
-            self.storage[name][slot].copy_(tensor, non_blocking=True)
+            self.storage[name][:, slot].copy_(tensor, non_blocking=True)
 
     def get_layer(self, slots: torch.Tensor, layer: int) -> Parts:
-        """Encoded parts of one layer for several slots: [len(slots), num_kv_heads, ...]."""
-        return {name: t[slots, layer] for name, t in self.storage.items()}
+        """Encoded parts of one layer for several slots (a long tensor on the pool's device): [len(slots), heads, ...]."""
+        return {name: t[layer].index_select(0, slots) for name, t in self.storage.items()}
 
     def get_block(self, slot: int) -> Parts:
         """All layers of one slot: [num_layers, num_kv_heads, ...] (views)."""
-        return {name: t[slot] for name, t in self.storage.items()}
+        return {name: t[:, slot] for name, t in self.storage.items()}

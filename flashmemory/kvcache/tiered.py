@@ -56,12 +56,24 @@ class TieredCacheConfig:
 
 
 @dataclass
+class _LevelPlan:
+    """What one forward reads from one level for one sequence (the same for every layer)."""
+
+    indices: list[int]  # logical block indices whose primary copy is on the level, in order
+    index_tensor: torch.Tensor  # the same, as a tensor on the compute device
+    slots: list[int]
+    slot_tensor: torch.Tensor | None  # slots on the pool's device (in-memory pools)
+    digest: torch.Tensor | None  # [blocks, num_layers, num_kv_heads, 2, head_dim] for selection
+
+
+@dataclass
 class _Sequence:
     staging_index: int  # row of the staging arena holding the still-filling block
     num_tokens: int = 0  # committed tokens (full blocks + staged)
     num_staged: int = 0
     digest: torch.Tensor | None = None  # [capacity_blocks, num_layers, num_kv_heads, 2, head_dim] key min/max
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer, this forward
+    plan: dict[Level, _LevelPlan] | None = None  # built at layer 0 of a forward, dropped at commit
     pinned_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token ranges kept in L0
 
 
@@ -153,23 +165,39 @@ class TieredKVCache(KVCache):
         recent_k = torch.cat((staged[0], new_k), dim=1)
         recent_v = torch.cat((staged[1], new_v), dim=1)
         partials = [partial_attention(q, recent_k, recent_v, causal_offset=seq.num_staged)]
-        table = self.blocks.tables[s.seq_id]
         decoding = s.num_new_tokens == 1 and self.cfg.selection == "quest"
+        if seq.plan is None:
+            seq.plan = self._plan(s.seq_id, with_digest=decoding)
+        for level, plan in seq.plan.items():
+            if decoding and level != Level.DEVICE:
+                budget = self._budget(level, len(plan.indices))
+                self.candidate_blocks[level] += len(plan.indices)
+                chosen = select_blocks(q[0], plan.digest[:, layer], budget)  # [num_kv_heads, budget] positions
+                self.selected_blocks[level] += chosen.shape[1]
+            else:
+                chosen = None
+            keys, values = self._gather(level, plan, chosen, layer, q.dtype)
+            partials.append(partial_attention(q, keys, values))
+        return merge_partials(partials).to(q.dtype)
+
+    def _plan(self, seq_id: int, with_digest: bool) -> dict[Level, _LevelPlan]:
+        """Per level, the blocks this forward reads from it (computed once, used by every layer)."""
+        seq = self.seqs[seq_id]
+        table = self.blocks.tables[seq_id]
+        plans = {}
         for level in Level:
             indices = table.blocks_on(level)
             if not indices:
                 continue
-            if decoding and level != Level.DEVICE:
-                budget = self._budget(level, len(indices))
-                self.candidate_blocks[level] += len(indices)
-                chosen = select_blocks(q[0], seq.digest[indices, layer], budget)  # [num_kv_heads, budget]
-                self.selected_blocks[level] += chosen.shape[1]
-                per_head = torch.as_tensor(indices, device=chosen.device)[chosen]
-            else:
-                per_head = None
-            keys, values = self._gather(level, s.seq_id, indices, per_head, layer, q.dtype)
-            partials.append(partial_attention(q, keys, values))
-        return merge_partials(partials).to(q.dtype)
+            slots = [table.blocks[i].slots[level] for i in indices]
+            index_tensor = torch.as_tensor(indices, device=self.cfg.device)
+            slot_tensor = None
+            if level != Level.DISK:
+                pool = self.device_pool if level == Level.DEVICE else self.host_pool
+                slot_tensor = torch.as_tensor(slots, device=pool.device)
+            digest = seq.digest.index_select(0, index_tensor) if with_digest and level != Level.DEVICE else None
+            plans[level] = _LevelPlan(indices, index_tensor, slots, slot_tensor, digest)
+        return plans
 
     def _budget(self, level: Level, num_candidates: int) -> int:
         if level == Level.HOST:
@@ -178,34 +206,32 @@ class TieredKVCache(KVCache):
             wanted = math.ceil(self.cfg.semantic_truncate_threshold * num_candidates)
         return max(1, min(num_candidates, wanted))
 
-    def _gather(self, level: Level, seq_id: int, indices: list[int], per_head: torch.Tensor | None, layer: int,
-                dtype: torch.dtype):
-        """Keys and values [num_kv_heads, tokens, head_dim] of the chosen blocks of one level, decoded."""
-        table = self.blocks.tables[seq_id]
-        if per_head is None:
-            needed = indices
+    def _gather(self, level: Level, plan: _LevelPlan, chosen: torch.Tensor | None, layer: int, dtype: torch.dtype):
+        """Keys and values [num_kv_heads, tokens, head_dim] of one level's blocks (or of the `chosen` positions
+        per KV head), decoded for one layer."""
+        heads, head_dim = self.cfg.num_kv_heads, self.cfg.head_dim
+        if chosen is None:
+            needed = None
         else:
-            needed = sorted(set(per_head.flatten().tolist()))
-        slots = [table.blocks[i].slots[level] for i in needed]
-        codec = self.codecs[level]
+            # Each KV head reads its own blocks; decode their union once, then pick per head.
+            needed, pos = torch.unique(chosen, sorted=True, return_inverse=True)  # pos: [heads, budget]
         if level == Level.DISK:
             assert self.disk_pool is not None
+            slots = plan.slots if needed is None else [plan.slots[i] for i in needed.tolist()]
             parts = self.disk_pool.get_layer(slots, layer)
         else:
             pool = self.device_pool if level == Level.DEVICE else self.host_pool
-            parts = pool.get_layer(torch.as_tensor(slots, device=pool.storage[next(iter(pool.storage))].device), layer)
+            slot_tensor = plan.slot_tensor if needed is None else plan.slot_tensor[needed.to(pool.device)]
+            parts = pool.get_layer(slot_tensor, layer)
         # [blocks, num_kv_heads, block_size, head_dim]
-        keys, values = codec.decode(parts, torch.promote_types(dtype, torch.float32))
+        keys, values = self.codecs[level].decode(parts, torch.promote_types(dtype, torch.float32))
         keys, values = keys.to(self.cfg.device), values.to(self.cfg.device)
-        heads = self.cfg.num_kv_heads
-        if per_head is not None:
-            # Each KV head reads its own chosen blocks: position of each chosen block within `needed`.
-            pos = torch.searchsorted(torch.as_tensor(needed, device=per_head.device), per_head)  # [heads, budget]
+        if needed is not None:
             head_idx = torch.arange(heads, device=pos.device)[:, None]
             keys, values = keys[pos, head_idx], values[pos, head_idx]  # [heads, budget, block_size, head_dim]
-            return keys.reshape(heads, -1, self.cfg.head_dim), values.reshape(heads, -1, self.cfg.head_dim)
-        keys = keys.transpose(0, 1).reshape(heads, -1, self.cfg.head_dim)
-        values = values.transpose(0, 1).reshape(heads, -1, self.cfg.head_dim)
+            return keys.reshape(heads, -1, head_dim), values.reshape(heads, -1, head_dim)
+        keys = keys.transpose(0, 1).reshape(heads, -1, head_dim)
+        values = values.transpose(0, 1).reshape(heads, -1, head_dim)
         return keys, values
 
     # ---- commit and placement ---------------------------------------------------------------------------------
@@ -216,6 +242,7 @@ class TieredKVCache(KVCache):
 
     def _commit_one(self, s: SequenceSlice) -> None:
         seq = self.seqs[s.seq_id]
+        seq.plan = None
         cfg = self.cfg
         staged = self.staging[seq.staging_index, :, :, :, : seq.num_staged]  # [2, L, heads, staged, D]
         new_k = torch.stack([pk for pk, _ in seq.pending])  # [L, heads, n, D]

@@ -1,0 +1,174 @@
+"""`flashmemory eval`: fidelity of KV configurations against the exact cache on a long real text.
+
+For each configuration, in one process with the weights loaded once:
+  - prefill perplexity over the window (chunked prefill, as a long prompt is read);
+  - decode-mode perplexity over the last N tokens, fed one at a time (teacher forcing), so selection and
+    quantized levels act as in generation;
+  - mean KL(exact || config) and top-1 agreement of the next-token distributions at those N positions;
+  - device KV bytes at the end of the window, and decode tokens/s;
+  - passkey retrieval: a number hidden at several depths of a haystack, asked for at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashmemory.errors import ConfigError
+
+BASELINE = "exact-fp16"
+BASELINE_KNOBS: dict[str, Any] = {"kv_cache": "contiguous", "kv_precision": "fp16"}
+DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
+    "mixed": {"kv_cache": "tiered", "kv_precision": "mixed"},
+    "int4": {"kv_cache": "tiered", "kv_precision": "int4"},
+    "mixed-all-blocks": {"kv_cache": "tiered", "kv_precision": "mixed", "selection": "exact"},
+}
+
+
+@dataclass
+class ConfigResult:
+    """Measured figures of one configuration."""
+
+    name: str
+    knobs: dict[str, Any]
+    prefill_ppl: float = 0.0
+    decode_ppl: float = 0.0
+    mean_kl: float = 0.0
+    top1_agreement: float = 1.0
+    device_kv_bytes: int = 0
+    decode_tokens_per_s: float = 0.0
+    passkey: dict[str, bool] = field(default_factory=dict)
+    kv_stats: dict[str, float] = field(default_factory=dict)
+
+
+def default_text_path() -> Path | None:
+    """../shared/data/alice29.txt next to the current folder or the repository, if present."""
+    here = Path(__file__).resolve()
+    for base in (Path.cwd(), *here.parents):
+        candidate = base.parent / "shared" / "data" / "alice29.txt"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def parse_config(spec: str) -> tuple[str, dict[str, Any]]:
+    """NAME:key=value,key=value  (values parsed as int, float, true/false, or kept as text)."""
+    if ":" not in spec:
+        raise ConfigError(f"--config {spec!r}: write NAME:key=value[,key=value...]")
+    name, _, body = spec.partition(":")
+    knobs: dict[str, Any] = {}
+    for item in filter(None, body.split(",")):
+        key, eq, raw = item.partition("=")
+        if not eq:
+            raise ConfigError(f"--config {spec!r}: {item!r} is not key=value")
+        value: Any = raw
+        for cast in (int, float):
+            try:
+                value = cast(raw)
+                break
+            except ValueError:
+                pass
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        knobs[key.strip()] = value
+    knobs.setdefault("kv_cache", "tiered")
+    return name, knobs
+
+
+def _device_kv_bytes(stats: dict[str, float]) -> int:
+    return int(stats.get("L0_bytes", stats.get("kv_bytes_used", 0)))
+
+
+def passkey_prompt(tokenizer, filler: str, total_tokens: int, depth: float, key: int) -> list[int]:
+    """A haystack of `filler` text of about total_tokens tokens with the key sentence at `depth` (0..1)."""
+    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
+    question = " What is the pass key? The pass key is"
+    ids = tokenizer.encode(filler, add_special_tokens=False)
+    budget = total_tokens - len(tokenizer.encode(needle + question, add_special_tokens=False))
+    body = ids[:budget]
+    cut = int(len(body) * depth)
+    text = tokenizer.decode(body[:cut]) + needle + tokenizer.decode(body[cut:]) + question
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def run_eval(engine, text: str, window_tokens: int, decode_tokens: int, configs: dict[str, dict[str, Any]],
+             passkey_depths: list[float], passkey_tokens: int, passkey_window: int, log=print) -> dict[str, Any]:
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    window_tokens = min(window_tokens, engine.max_seq_len - 1, len(ids))
+    if decode_tokens >= window_tokens:
+        raise ConfigError(f"--decode-tokens {decode_tokens} must be smaller than the window ({window_tokens})")
+    ids = ids[:window_tokens]
+    rng = random.Random(0)
+    keys = {depth: rng.randint(10000, 99999) for depth in passkey_depths}
+    results: list[ConfigResult] = []
+    exact_lp: torch.Tensor | None = None
+    for name, knobs in [(BASELINE, BASELINE_KNOBS), *configs.items()]:
+        log(f"[{name}] {knobs}")
+        engine.reconfigure_kv(**knobs)
+        t0 = time.perf_counter()
+        score = engine.score_tokens(ids, num_teacher_forced=decode_tokens)
+        n_pre = score.num_prefill_tokens
+        lp = score.token_logprobs
+        r = ConfigResult(name, knobs)
+        r.prefill_ppl = math.exp(-lp[:n_pre].mean().item())
+        r.decode_ppl = math.exp(-lp[n_pre:].mean().item())
+        dist = score.decode_logprobs
+        if exact_lp is None:
+            exact_lp = dist
+        else:
+            p_exact = exact_lp.exp()
+            r.mean_kl = (p_exact * (exact_lp - dist)).sum(-1).mean().item()
+            r.top1_agreement = (exact_lp.argmax(-1) == dist.argmax(-1)).float().mean().item()
+        r.device_kv_bytes = _device_kv_bytes(score.kv_stats)
+        r.decode_tokens_per_s = score.num_decode_steps / score.decode_seconds if score.decode_seconds else 0.0
+        r.kv_stats = {k: float(v) for k, v in score.kv_stats.items()}
+        if passkey_depths:
+            # A short haystack with a small window, so the needle must come back from L1/L2 (tiered configs).
+            small = dict(knobs)
+            if small.get("kv_cache", "tiered") == "tiered":
+                small.update(active_window=min(passkey_window, knobs.get("active_window", 2048)),
+                             warm_tokens=min(passkey_window, knobs.get("warm_tokens", 16384)))
+            engine.reconfigure_kv(**small)
+            for depth in passkey_depths:
+                prompt = passkey_prompt(engine.tokenizer, text, passkey_tokens, depth, keys[depth])
+                answer = engine.generate(prompt, max_new_tokens=8)
+                r.passkey[f"{depth:g}"] = str(keys[depth]) in answer
+        log(f"[{name}] done in {time.perf_counter() - t0:.0f} s: decode PPL {r.decode_ppl:.3f}, "
+            f"KL {r.mean_kl:.4f}, top-1 {r.top1_agreement:.3f}")
+        results.append(r)
+    baseline = results[0]
+    return {
+        "window_tokens": window_tokens,
+        "decode_tokens": decode_tokens,
+        "passkey_tokens": passkey_tokens,
+        "passkey_window": passkey_window,
+        "baseline": BASELINE,
+        "results": [asdict(r) for r in results],
+        "table": format_table(results, baseline),
+    }
+
+
+def format_table(results: list[ConfigResult], baseline: ConfigResult) -> str:
+    head = ("| config | prefill PPL | decode PPL | Δ decode PPL | mean KL | top-1 | device KV MiB | "
+            "device KV vs exact | decode tok/s | passkey |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    rows = []
+    for r in results:
+        delta = (r.decode_ppl / baseline.decode_ppl - 1) * 100
+        share = r.device_kv_bytes / baseline.device_kv_bytes * 100 if baseline.device_kv_bytes else 0.0
+        keys = " ".join(f"{d}:{'ok' if ok else 'MISS'}" for d, ok in r.passkey.items()) or "-"
+        rows.append(f"| {r.name} | {r.prefill_ppl:.3f} | {r.decode_ppl:.3f} | {delta:+.2f} % | {r.mean_kl:.4f} | "
+                    f"{r.top1_agreement:.1%} | {r.device_kv_bytes / 2**20:.1f} | {share:.1f} % | "
+                    f"{r.decode_tokens_per_s:.2f} | {keys} |")
+    return head + "\n" + "\n".join(rows)
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
