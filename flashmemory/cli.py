@@ -127,7 +127,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     print(engine.last_stats.summary(), file=sys.stderr)
     if args.stats:
-        print(format_kv_stats(engine.stats()), file=sys.stderr)
+        print(format_kv_stats(engine.last_kv_stats), file=sys.stderr)
     engine.close()
     return 0
 

@@ -53,6 +53,7 @@ class FlashMemoryEngine:
         self.cache: KVCache = self._build_cache()
         self._seq_ids = itertools.count()
         self.last_stats = GenerationStats()
+        self.last_kv_stats: dict[str, int | float] = {}
         self.load_seconds = time.perf_counter() - started
         logger.info(
             "loaded %s (%s, %d layers) on %s as %s in %.1f s",
@@ -79,33 +80,44 @@ class FlashMemoryEngine:
 
     # ---- public API -------------------------------------------------------------------------------------------
 
-    def generate(self, prompt: str | list[int], **sampling: Any) -> str:
-        """Complete `prompt` (text or token ids); returns the generated text."""
-        return "".join(self.stream(prompt, **sampling))
+    def generate(self, prompt: str | list[int], **options: Any) -> str:
+        """Complete `prompt` (text or token ids); returns the generated text.
 
-    def stream(self, prompt: str | list[int], **sampling: Any) -> Iterator[str]:
+        Options: the SamplingParams fields, and `pinned_spans=[(start, end), ...]`, token ranges of the prompt
+        kept in device memory whatever the window (e.g. a system prompt).
+        """
+        return "".join(self.stream(prompt, **options))
+
+    def stream(self, prompt: str | list[int], **options: Any) -> Iterator[str]:
         """Complete `prompt`, yielding text pieces as they are decoded."""
         started = time.perf_counter()
-        params = _sampling_params(sampling)
+        params, pinned = _request_options(options)
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return self._stream_ids(prompt_ids, params, started)
+        return self._stream_ids(prompt_ids, params, pinned, started)
 
-    def chat(self, messages: Messages, **sampling: Any) -> str:
-        """Answer a conversation ([{"role": ..., "content": ...}, ...]) through the model's chat template."""
-        return "".join(self.stream_chat(messages, **sampling))
+    def chat(self, messages: Messages, **options: Any) -> str:
+        """Answer a conversation ([{"role": ..., "content": ...}, ...]) through the model's chat template.
 
-    def stream_chat(self, messages: Messages, **sampling: Any) -> Iterator[str]:
+        `pin_system_prompt=True` keeps the system message's tokens in device memory.
+        """
+        return "".join(self.stream_chat(messages, **options))
+
+    def stream_chat(self, messages: Messages, pin_system_prompt: bool = False, **options: Any) -> Iterator[str]:
         started = time.perf_counter()
-        params = _sampling_params(sampling)
-        return self._stream_ids(self.tokenizer.apply_chat_template(messages), params, started)
+        params, pinned = _request_options(options)
+        prompt_ids = self.tokenizer.apply_chat_template(messages)
+        if pin_system_prompt and messages and messages[0].get("role") == "system":
+            system_ids = self.tokenizer.apply_chat_template(messages[:1], add_generation_prompt=False)
+            pinned.append((0, len(system_ids)))
+        return self._stream_ids(prompt_ids, params, pinned, started)
 
-    def generate_token_ids(self, prompt: str | list[int], **sampling: Any) -> list[int]:
+    def generate_token_ids(self, prompt: str | list[int], **options: Any) -> list[int]:
         """Complete `prompt`; returns the generated token ids (end-of-sequence token excluded)."""
         started = time.perf_counter()
-        params = _sampling_params(sampling)
+        params, pinned = _request_options(options)
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(prompt_ids, params.max_new_tokens)
-        loop = self._generation_loop(prompt_ids, params, started)
+        loop = self._generation_loop(prompt_ids, params, pinned, started)
         return [token for token, _ in loop if token is not None]
 
     def score_tokens(self, token_ids: list[int], num_teacher_forced: int = 0) -> "ScoreResult":
@@ -222,13 +234,15 @@ class FlashMemoryEngine:
             self.cache.commit(batch)
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
-    def _stream_ids(self, prompt_ids: list[int], params: SamplingParams, started: float) -> Iterator[str]:
+    def _stream_ids(
+        self, prompt_ids: list[int], params: SamplingParams, pinned: list[tuple[int, int]], started: float
+    ) -> Iterator[str]:
         self._check_prompt(prompt_ids, params.max_new_tokens)
         # Validation above raises at call time; the generation runs as the caller iterates.
-        return (piece for _, piece in self._generation_loop(prompt_ids, params, started) if piece)
+        return (piece for _, piece in self._generation_loop(prompt_ids, params, pinned, started) if piece)
 
     def _generation_loop(
-        self, prompt_ids: list[int], params: SamplingParams, started: float
+        self, prompt_ids: list[int], params: SamplingParams, pinned: list[tuple[int, int]], started: float
     ) -> Iterator[tuple[int | None, str]]:
         """Yields (token id, text it releases) per generated token, then (None, held-back tail) at the end."""
         stats = GenerationStats(num_prompt_tokens=len(prompt_ids))
@@ -242,6 +256,10 @@ class FlashMemoryEngine:
         seq_id = next(self._seq_ids)
         self.cache.add_sequence(seq_id)
         try:
+            pin = getattr(self.cache, "pin_span", None)  # the contiguous cache keeps everything on the device
+            for start, end in pinned:
+                if pin is not None:
+                    pin(seq_id, start, end)
             t0 = time.perf_counter()
             logits = self._forward(seq_id, prompt_ids)[-1]
             stats.prefill_seconds = time.perf_counter() - t0
@@ -269,6 +287,7 @@ class FlashMemoryEngine:
             if first_token_at is not None:
                 stats.decode_seconds = time.perf_counter() - first_token_at
         finally:
+            self.last_kv_stats = dict(self.cache.stats())  # as the request ends, before its blocks are freed
             self.cache.free_sequence(seq_id)
             stats.peak_memory_bytes, stats.memory_kind = peak_memory(self.device)
 
@@ -283,6 +302,19 @@ class ScoreResult:
     decode_seconds: float
     num_decode_steps: int
     kv_stats: dict[str, int | float]  # the cache's counters just before the sequence was freed
+
+
+def _request_options(options: dict[str, Any]) -> tuple[SamplingParams, list[tuple[int, int]]]:
+    """Split per-request options into sampling parameters and pinned token spans (validated)."""
+    options = dict(options)
+    spans = options.pop("pinned_spans", None) or []
+    pinned = []
+    for span in spans:
+        if (not isinstance(span, (tuple, list)) or len(span) != 2 or not all(isinstance(x, int) for x in span)
+                or not 0 <= span[0] < span[1]):
+            raise ConfigError(f"pinned_spans entry {span!r} must be a (start, end) pair of token indices, start < end")
+        pinned.append((int(span[0]), int(span[1])))
+    return _sampling_params(options), pinned
 
 
 def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:

@@ -104,3 +104,39 @@ def test_host_level_full_without_cold_zone_says_so(tiny_llama):
     with pytest.raises(CapacityError, match="host KV pool is full.*cold_zone_enabled=True"):
         engine.generate(list(range(3, 200)), max_new_tokens=2)
     assert engine.cache.sequence_ids() == []
+
+
+def test_pinned_span_stays_in_device_memory_and_late_pins_are_promoted(tiny_llama):
+    engine = FlashMemoryEngine(model_path=str(tiny_llama), **TINY_LEVELS)
+    cache = engine.cache
+    cache.add_sequence(1)
+    cache.pin_span(1, 8, 24)  # blocks 1 and 2 (block_size 8); block 0 is the attention sink
+    engine._forward(1, list(range(3, 100)))
+    table = cache.blocks.tables[1]
+    on_device = [i for i, b in enumerate(table.blocks) if Level.DEVICE in b.slots]
+    window = TINY_LEVELS["active_window"] // TINY_LEVELS["block_size"]
+    assert on_device == [0, 1, 2] + list(range(len(table.blocks) - window, len(table.blocks)))
+    # Pinning a span that already left for L1 promotes it back, re-quantized from the FP16 master copy.
+    cache.pin_span(1, 64, 72)  # block 8: left the window, still in the warm span (L1)
+    block = table.blocks[8]
+    assert Level.DEVICE in block.slots and block.pinned
+    host = cache.codecs[Level.HOST].decode(cache.host_pool.get_block(block.slots[Level.HOST]), torch.float16)
+    expected = cache.codecs[Level.DEVICE].encode(*host)
+    got = cache.device_pool.get_block(block.slots[Level.DEVICE])
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+    cache.free_sequence(1)
+
+
+def test_chat_can_pin_the_system_prompt(tiny_llama):
+    engine = FlashMemoryEngine(model_path=str(tiny_llama), **TINY_LEVELS)
+    messages = [{"role": "system", "content": "You answer in one word. " * 3}, {"role": "user", "content": "hi"}]
+    engine.chat(messages, max_new_tokens=30, ignore_eos=True, pin_system_prompt=True)
+    assert engine.last_kv_stats["L0_blocks"] > TINY_LEVELS["active_window"] // TINY_LEVELS["block_size"] + 1
+
+
+def test_invalid_pinned_span_is_rejected(tiny_llama):
+    from flashmemory.errors import ConfigError
+
+    engine = FlashMemoryEngine(model_path=str(tiny_llama), **TINY_LEVELS)
+    with pytest.raises(ConfigError, match="pinned_spans"):
+        engine.generate("hello", pinned_spans=[(5, 2)])
