@@ -84,6 +84,12 @@ class EngineConfig:
         if isinstance(bs, int):
             need(self.active_window >= bs, f"active_window={self.active_window} must be at least block_size={bs}")
 
+    @staticmethod
+    def kv_field_names() -> list[str]:
+        """The KV-hierarchy settings (everything reconfigure_kv may change)."""
+        names = [f.name for f in fields(EngineConfig)]
+        return names[names.index("kv_cache"):]
+
     def resolve_block_size(self, max_seq_len: int) -> int:
         """Tokens per block; "auto" keeps block tables short for long contexts."""
         if self.block_size != "auto":

@@ -173,12 +173,19 @@ class FlashMemoryEngine:
             self.cache.free_sequence(seq_id)
 
     def reconfigure_kv(self, **knobs: Any) -> None:
-        """Replace the KV cache with one built from changed KV settings (weights stay loaded).
+        """Replace the KV cache with one built from the default KV settings plus `knobs` (weights stay loaded).
 
-        Knobs are EngineConfig fields (kv_cache, kv_precision, active_window, ...); every sequence is dropped.
+        Knobs are EngineConfig's KV fields (kv_cache, kv_precision, active_window, ...); settings not given
+        return to their defaults, not to earlier values. Every sequence is dropped.
         """
+        kv_names = EngineConfig.kv_field_names()
+        unknown = sorted(set(knobs) - set(kv_names))
+        if unknown:
+            raise ConfigError(f"unknown KV setting(s) {', '.join(unknown)}; valid: {', '.join(kv_names)}")
+        defaults = EngineConfig()
+        new_config = self.config.replace(**{**{n: getattr(defaults, n) for n in kv_names}, **knobs})
         self.close()
-        self.config = self.config.replace(**knobs)
+        self.config = new_config
         self.cache = self._build_cache()
 
     def clear_cache(self) -> None:

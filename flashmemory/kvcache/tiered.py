@@ -63,7 +63,7 @@ class _LevelPlan:
     index_tensor: torch.Tensor  # the same, as a tensor on the compute device
     slots: list[int]
     slot_tensor: torch.Tensor | None  # slots on the pool's device (in-memory pools)
-    digest: torch.Tensor | None  # [blocks, num_layers, num_kv_heads, 2, head_dim] for selection
+    digest: torch.Tensor | None  # [blocks, num_layers, num_kv_heads, 2, head_dim] for selection (a view if contiguous)
 
 
 @dataclass
@@ -195,7 +195,10 @@ class TieredKVCache(KVCache):
             if level != Level.DISK:
                 pool = self.device_pool if level == Level.DEVICE else self.host_pool
                 slot_tensor = torch.as_tensor(slots, device=pool.device)
-            digest = seq.digest.index_select(0, index_tensor) if with_digest and level != Level.DEVICE else None
+            digest = None
+            if with_digest and level != Level.DEVICE:
+                contiguous = indices[-1] - indices[0] + 1 == len(indices)  # the usual case: one run of blocks
+                digest = seq.digest[indices[0] : indices[-1] + 1] if contiguous else seq.digest[index_tensor]
             plans[level] = _LevelPlan(indices, index_tensor, slots, slot_tensor, digest)
         return plans
 
@@ -210,6 +213,17 @@ class TieredKVCache(KVCache):
         """Keys and values [num_kv_heads, tokens, head_dim] of one level's blocks (or of the `chosen` positions
         per KV head), decoded for one layer."""
         heads, head_dim = self.cfg.num_kv_heads, self.cfg.head_dim
+        compute = torch.promote_types(dtype, torch.float32)
+        codec = self.codecs[level]
+        head_idx = torch.arange(heads, device=self.cfg.device)[:, None]
+        if chosen is not None and level != Level.DISK and codec.bits == 16:
+            # Unquantized pool: gather each KV head's own blocks straight from storage.
+            pool = self.device_pool if level == Level.DEVICE else self.host_pool
+            slots = plan.slot_tensor[chosen.to(pool.device)]  # [heads, budget]
+            h = head_idx.to(pool.device)
+            keys = pool.storage["k"][layer][slots, h].to(self.cfg.device, compute)  # [heads, budget, bs, D]
+            values = pool.storage["v"][layer][slots, h].to(self.cfg.device, compute)
+            return keys.reshape(heads, -1, head_dim), values.reshape(heads, -1, head_dim)
         if chosen is None:
             needed = None
         else:
@@ -223,11 +237,9 @@ class TieredKVCache(KVCache):
             pool = self.device_pool if level == Level.DEVICE else self.host_pool
             slot_tensor = plan.slot_tensor if needed is None else plan.slot_tensor[needed.to(pool.device)]
             parts = pool.get_layer(slot_tensor, layer)
-        # [blocks, num_kv_heads, block_size, head_dim]
-        keys, values = self.codecs[level].decode(parts, torch.promote_types(dtype, torch.float32))
+        keys, values = codec.decode(parts, compute)  # [blocks, num_kv_heads, block_size, head_dim]
         keys, values = keys.to(self.cfg.device), values.to(self.cfg.device)
         if needed is not None:
-            head_idx = torch.arange(heads, device=pos.device)[:, None]
             keys, values = keys[pos, head_idx], values[pos, head_idx]  # [heads, budget, block_size, head_dim]
             return keys.reshape(heads, -1, head_dim), values.reshape(heads, -1, head_dim)
         keys = keys.transpose(0, 1).reshape(heads, -1, head_dim)

@@ -115,3 +115,13 @@ def test_no_sequence_is_left_in_the_cache(engine):
     next(stream)
     stream.close()  # an abandoned stream frees its KV
     assert engine.cache.sequence_ids() == []
+
+
+def test_reconfigure_kv_starts_from_the_defaults_each_time(tiny_llama):
+    engine = FlashMemoryEngine(model_path=str(tiny_llama))
+    engine.reconfigure_kv(active_window=64, warm_tokens=64)
+    assert engine.config.active_window == 64
+    engine.reconfigure_kv(kv_precision="int4")
+    assert engine.config.active_window == 2048 and engine.config.kv_precision == "int4"
+    with pytest.raises(ConfigError, match="unknown KV setting"):
+        engine.reconfigure_kv(dtype="float16")
