@@ -9,10 +9,10 @@ from flashmemory.kvcache.quant import Codec, Parts
 
 
 class TensorPool:
-    """Owns one level's preallocated storage: per codec part, a tensor [num_layers, num_slots, num_kv_heads, ...].
+    """Owns one level's preallocated storage: per codec part, a tensor [num_layers, num_kv_heads, num_slots, ...].
 
-    A slot holds one block (block_size tokens) of every layer. Layer-major, so one layer's blocks are gathered
-    from one contiguous tensor. Nothing is allocated after construction.
+    A slot holds one block (block_size tokens) of every layer. Layer- then head-major, so gathering one layer's
+    blocks yields [num_kv_heads, blocks, ...], the layout attention wants. Nothing is allocated after construction.
     """
 
     def __init__(
@@ -34,7 +34,8 @@ class TensorPool:
         shapes = codec.part_shapes((num_kv_heads,), block_size, head_dim)
         self.device = device
         self.storage: dict[str, torch.Tensor] = {
-            name: torch.empty((num_layers, num_slots, *shape), dtype=dtype, device=device, pin_memory=pin_memory)
+            name: torch.empty((num_layers, shape[0], num_slots, *shape[1:]), dtype=dtype, device=device,
+                              pin_memory=pin_memory)
             for name, (shape, dtype) in shapes.items()
         }
         self.bytes_per_slot = codec.nbytes((num_layers, num_kv_heads), block_size, head_dim)
@@ -46,12 +47,12 @@ class TensorPool:
     def put(self, slot: int, parts: Parts) -> None:
         """Store an encoded block (parts shaped [num_layers, num_kv_heads, ...]) in `slot`."""
         for name, tensor in parts.items():
-            self.storage[name][:, slot].copy_(tensor, non_blocking=True)
+            self.storage[name][:, :, slot].copy_(tensor, non_blocking=True)
 
     def get_layer(self, slots: torch.Tensor, layer: int) -> Parts:
-        """Encoded parts of one layer for several slots (a long tensor on the pool's device): [len(slots), heads, ...]."""
-        return {name: t[layer].index_select(0, slots) for name, t in self.storage.items()}
+        """Encoded parts of one layer for several slots (a long tensor on the pool's device): [heads, len(slots), ...]."""
+        return {name: t[layer].index_select(1, slots) for name, t in self.storage.items()}
 
     def get_block(self, slot: int) -> Parts:
         """All layers of one slot: [num_layers, num_kv_heads, ...] (views)."""
-        return {name: t[:, slot] for name, t in self.storage.items()}
+        return {name: t[:, :, slot] for name, t in self.storage.items()}

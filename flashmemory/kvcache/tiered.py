@@ -221,8 +221,8 @@ class TieredKVCache(KVCache):
             pool = self.device_pool if level == Level.DEVICE else self.host_pool
             slots = plan.slot_tensor[chosen.to(pool.device)]  # [heads, budget]
             h = head_idx.to(pool.device)
-            keys = pool.storage["k"][layer][slots, h].to(self.cfg.device, compute)  # [heads, budget, bs, D]
-            values = pool.storage["v"][layer][slots, h].to(self.cfg.device, compute)
+            keys = pool.storage["k"][layer][h, slots].to(self.cfg.device, compute)  # [heads, budget, bs, D]
+            values = pool.storage["v"][layer][h, slots].to(self.cfg.device, compute)
             return keys.reshape(heads, -1, head_dim), values.reshape(heads, -1, head_dim)
         if chosen is None:
             needed = None
@@ -232,19 +232,16 @@ class TieredKVCache(KVCache):
         if level == Level.DISK:
             assert self.disk_pool is not None
             slots = plan.slots if needed is None else [plan.slots[i] for i in needed.tolist()]
-            parts = self.disk_pool.get_layer(slots, layer)
+            parts = {name: t.transpose(0, 1) for name, t in self.disk_pool.get_layer(slots, layer).items()}
         else:
             pool = self.device_pool if level == Level.DEVICE else self.host_pool
             slot_tensor = plan.slot_tensor if needed is None else plan.slot_tensor[needed.to(pool.device)]
             parts = pool.get_layer(slot_tensor, layer)
-        keys, values = codec.decode(parts, compute)  # [blocks, num_kv_heads, block_size, head_dim]
+        keys, values = codec.decode(parts, compute)  # [num_kv_heads, blocks, block_size, head_dim]
         keys, values = keys.to(self.cfg.device), values.to(self.cfg.device)
         if needed is not None:
-            keys, values = keys[pos, head_idx], values[pos, head_idx]  # [heads, budget, block_size, head_dim]
-            return keys.reshape(heads, -1, head_dim), values.reshape(heads, -1, head_dim)
-        keys = keys.transpose(0, 1).reshape(heads, -1, head_dim)
-        values = values.transpose(0, 1).reshape(heads, -1, head_dim)
-        return keys, values
+            keys, values = keys[head_idx, pos], values[head_idx, pos]  # [heads, budget, block_size, head_dim]
+        return keys.reshape(heads, -1, head_dim), values.reshape(heads, -1, head_dim)
 
     # ---- commit and placement ---------------------------------------------------------------------------------
 
