@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashmemory.errors import CapacityError
+from flashmemory.kvcache.attention import causal_attention
 from flashmemory.kvcache.blocks import BlockManager, Level
 from flashmemory.kvcache.disk_pool import DiskPool
 from flashmemory.kvcache.interface import ForwardBatch, KVCache, SequenceSlice
@@ -164,21 +165,34 @@ class TieredKVCache(KVCache):
         staged = self.staging[seq.staging_index, :, layer, :, : seq.num_staged]  # [2, num_kv_heads, staged, head_dim]
         recent_k = torch.cat((staged[0], new_k), dim=1)
         recent_v = torch.cat((staged[1], new_v), dim=1)
-        partials = [partial_attention(q, recent_k, recent_v, causal_offset=seq.num_staged)]
         decoding = s.num_new_tokens == 1 and self.cfg.selection == "quest"
         if seq.plan is None:
             seq.plan = self._plan(s.seq_id, with_digest=decoding)
+        if s.num_new_tokens == 1:
+            # One query sees every key it is given: gather all levels' keys into one set and run a single
+            # fused attention (no causal mask, no partial results to merge).
+            keys, values = [recent_k.to(torch.promote_types(q.dtype, torch.float32))], [recent_v]
+            for level, plan in seq.plan.items():
+                chosen = self._choose(level, plan, q, layer) if decoding and level != Level.DEVICE else None
+                level_k, level_v = self._gather(level, plan, chosen, layer, q.dtype)
+                keys.append(level_k)
+                values.append(level_v)
+            all_k = torch.cat(keys, dim=1) if len(keys) > 1 else keys[0]
+            all_v = torch.cat([t.to(all_k.dtype) for t in values], dim=1)
+            return causal_attention(q.to(all_k.dtype), all_k, all_v, all_k.shape[1] - 1).to(q.dtype)
+        # Prefill chunk: causal among the new tokens, all earlier blocks visible; partials merged by LSE.
+        partials = [partial_attention(q, recent_k, recent_v, causal_offset=seq.num_staged)]
         for level, plan in seq.plan.items():
-            if decoding and level != Level.DEVICE:
-                budget = self._budget(level, len(plan.indices))
-                self.candidate_blocks[level] += len(plan.indices)
-                chosen = select_blocks(q[0], plan.digest[:, layer], budget)  # [num_kv_heads, budget] positions
-                self.selected_blocks[level] += chosen.shape[1]
-            else:
-                chosen = None
-            keys, values = self._gather(level, plan, chosen, layer, q.dtype)
+            keys, values = self._gather(level, plan, None, layer, q.dtype)
             partials.append(partial_attention(q, keys, values))
         return merge_partials(partials).to(q.dtype)
+
+    def _choose(self, level: Level, plan: _LevelPlan, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """Query-aware choice of a level's blocks for one decode step: [num_kv_heads, budget] positions."""
+        budget = self._budget(level, len(plan.indices))
+        self.candidate_blocks[level] += len(plan.indices)
+        self.selected_blocks[level] += budget
+        return select_blocks(q[0], plan.digest[:, layer], budget)
 
     def _plan(self, seq_id: int, with_digest: bool) -> dict[Level, _LevelPlan]:
         """Per level, the blocks this forward reads from it (computed once, used by every layer)."""
