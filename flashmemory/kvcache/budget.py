@@ -11,7 +11,7 @@ from flashmemory.config import EngineConfig
 from flashmemory.errors import MemoryBudgetError
 from flashmemory.kvcache.blocks import Level
 from flashmemory.kvcache.quant import Codec
-from flashmemory.kvcache.tiered import KV_DTYPE, PRECISIONS, TieredCacheConfig
+from flashmemory.kvcache.tiered import PRECISIONS, TieredCacheConfig
 from flashmemory.model.model_config import ModelConfig
 
 MIB = 2**20
@@ -107,4 +107,4 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
     )
 
 
-__all__ = ["DevicePlan", "KV_DTYPE", "plan_device", "tiered_config", "workspace_bytes"]
+

@@ -66,18 +66,7 @@ class ContiguousKVCache(KVCache):
         self._kv[seq_id] = grown
         return grown
 
-    def attend(
-        self, layer_idx: int, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        if len(batch.slices) == 1:
-            return self._attend_one(layer_idx, batch.slices[0], q, k, v)
-        out = torch.empty_like(q)
-        for s in batch.slices:
-            sl = slice(s.token_start, s.token_end)
-            out[sl] = self._attend_one(layer_idx, s, q[sl], k[sl], v[sl])
-        return out
-
-    def _attend_one(self, layer_idx, s, q, k, v) -> torch.Tensor:
+    def attend_sequence(self, layer_idx, s, q, k, v) -> torch.Tensor:
         # q: [n, num_heads, head_dim]; k, v: [n, num_kv_heads, head_dim]
         start, end = s.num_cached_tokens, s.num_cached_tokens + s.num_new_tokens
         kv = self._reserve(s.seq_id, end)[layer_idx]  # [2, num_kv_heads, capacity, head_dim]

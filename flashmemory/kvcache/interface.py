@@ -67,12 +67,24 @@ class KVCache(ABC):
     def num_tokens(self, seq_id: int) -> int:
         """Tokens of the sequence stored so far (committed forwards only)."""
 
-    @abstractmethod
     def attend(
         self, layer_idx: int, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Store k, v [T, num_kv_heads, head_dim] of the new tokens; return causal attention [T, num_heads, head_dim]
         of q [T, num_heads, head_dim] over each sequence's earlier and new tokens."""
+        if len(batch.slices) == 1:
+            return self.attend_sequence(layer_idx, batch.slices[0], q, k, v)
+        out = torch.empty_like(q)
+        for s in batch.slices:
+            sl = slice(s.token_start, s.token_end)
+            out[sl] = self.attend_sequence(layer_idx, s, q[sl], k[sl], v[sl])
+        return out
+
+    @abstractmethod
+    def attend_sequence(
+        self, layer_idx: int, s: SequenceSlice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """`attend` for one sequence's slice of the batch: q [n, num_heads, head_dim], k/v [n, num_kv_heads, head_dim]."""
 
     @abstractmethod
     def commit(self, batch: ForwardBatch) -> None:

@@ -147,16 +147,7 @@ class TieredKVCache(KVCache):
 
     # ---- attention --------------------------------------------------------------------------------------------
 
-    def attend(self, layer_idx, batch: ForwardBatch, q, k, v) -> torch.Tensor:
-        if len(batch.slices) == 1:
-            return self._attend_one(layer_idx, batch.slices[0], q, k, v)
-        out = torch.empty_like(q)
-        for s in batch.slices:
-            sl = slice(s.token_start, s.token_end)
-            out[sl] = self._attend_one(layer_idx, s, q[sl], k[sl], v[sl])
-        return out
-
-    def _attend_one(self, layer: int, s: SequenceSlice, q, k, v) -> torch.Tensor:
+    def attend_sequence(self, layer: int, s: SequenceSlice, q, k, v) -> torch.Tensor:
         # q: [n, num_heads, head_dim]; k, v: [n, num_kv_heads, head_dim]
         seq = self.seqs[s.seq_id]
         new_k = k.transpose(0, 1).to(KV_DTYPE)  # [num_kv_heads, n, head_dim]

@@ -125,3 +125,34 @@ def test_reconfigure_kv_starts_from_the_defaults_each_time(tiny_llama):
     assert engine.config.active_window == 2048 and engine.config.kv_precision == "int4"
     with pytest.raises(ConfigError, match="unknown KV setting"):
         engine.reconfigure_kv(dtype="float16")
+
+
+def test_block_size_auto_grows_with_the_context():
+    from flashmemory.config import EngineConfig
+
+    cfg = EngineConfig(block_size="auto")
+    assert [cfg.resolve_block_size(n) for n in (2048, 8192, 32768, 131072)] == [16, 16, 32, 64]
+    with pytest.raises(ConfigError, match="block_size"):
+        EngineConfig(block_size=12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"kv_precision": "int3"}, "kv_precision"), ({"kv_cache": "paged"}, "kv_cache"),
+     ({"selection": "random"}, "selection"), ({"semantic_truncate_threshold": 0}, "semantic_truncate_threshold"),
+     ({"cpu_memory_gb": -1}, "cpu_memory_gb"), ({"active_window": 8, "block_size": 16}, "active_window"),
+     ({"max_gpu_memory_mb": 0}, "max_gpu_memory_mb")],
+)
+def test_invalid_kv_setting_is_rejected_with_its_name(tiny_llama, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        FlashMemoryEngine(model_path=str(tiny_llama), **kwargs)
+
+
+def test_sliding_window_model_asks_for_the_contiguous_cache(tmp_path):
+    from tests.helpers import write_tiny_model
+
+    write_tiny_model(tmp_path, "MistralForCausalLM", sliding_window=16)
+    with pytest.raises(ConfigError, match="kv_cache='contiguous'"):
+        FlashMemoryEngine(model_path=str(tmp_path))
+    engine = FlashMemoryEngine(model_path=str(tmp_path), kv_cache="contiguous")
+    assert engine.generate_token_ids("Alice", max_new_tokens=3, ignore_eos=True)
