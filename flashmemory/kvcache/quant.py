@@ -63,16 +63,22 @@ class Codec:
         vc, vs, vz = quantize(v, self.bits, axis=-1, group=self.value_group_channels)
         return {"k_codes": kc, "k_scale": ks, "k_zero": kz, "v_codes": vc, "v_scale": vs, "v_zero": vz}
 
-    def decode(self, parts: Parts, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """parts -> k, v [..., tokens, head_dim] in `dtype`."""
+    def decode(
+        self, parts: Parts, dtype: torch.dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """parts -> k, v [..., tokens, head_dim] in `dtype`, written into `out` (float32/float64) when given."""
         if self.bits == 16:
-            return parts["k"].to(dtype), parts["v"].to(dtype)
+            if out is None:
+                return parts["k"].to(dtype), parts["v"].to(dtype)
+            out[0].copy_(parts["k"])
+            out[1].copy_(parts["v"])
+            return out
         compute = dtype if dtype in (torch.float32, torch.float64) else torch.float32
         k = dequantize(parts["k_codes"], parts["k_scale"], parts["k_zero"], self.bits, -2, self.key_group_tokens,
-                       compute)
+                       compute, out=None if out is None else out[0])
         v = dequantize(parts["v_codes"], parts["v_scale"], parts["v_zero"], self.bits, -1,
-                       self.value_group_channels, compute)
-        return k.to(dtype), v.to(dtype)
+                       self.value_group_channels, compute, out=None if out is None else out[1])
+        return (k, v) if out is not None else (k.to(dtype), v.to(dtype))
 
 
 def _grouped(x: torch.Tensor, axis: int, group: int) -> tuple[torch.Tensor, int]:
@@ -103,17 +109,18 @@ def quantize(x: torch.Tensor, bits: int, axis: int, group: int) -> tuple[torch.T
 
 def dequantize(
     packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, axis: int, group: int,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inverse of `quantize`: [..., T, D] in `dtype` (float32 by default).
 
-    Written for speed on CPU: each bit plane is converted straight into its slice of the output, then one
-    in-place multiply-add applies scale and zero point (no interleaving copies, no temporaries of full size).
+    Written for speed on CPU: each bit plane is converted straight into its slice of the output (`out`, which
+    may be a view into a larger buffer), then one in-place multiply-add applies scale and zero point.
     """
     per_byte = 8 // bits
     mask = (1 << bits) - 1
     width = packed.shape[-1]
-    out = torch.empty((*packed.shape[:-1], width * per_byte), dtype=dtype, device=packed.device)
+    if out is None:
+        out = torch.empty((*packed.shape[:-1], width * per_byte), dtype=dtype, device=packed.device)
     for i in range(per_byte):
         plane = packed if i == 0 else packed >> (bits * i)
         out[..., i * width : (i + 1) * width] = plane & mask if i < per_byte - 1 else plane

@@ -154,29 +154,40 @@ class TieredKVCache(KVCache):
         new_v = v.transpose(0, 1).to(KV_DTYPE)
         seq.pending.append((new_k, new_v))
         staged = self.staging[seq.staging_index, :, layer, :, : seq.num_staged]  # [2, num_kv_heads, staged, head_dim]
-        recent_k = torch.cat((staged[0], new_k), dim=1)
-        recent_v = torch.cat((staged[1], new_v), dim=1)
         decoding = s.num_new_tokens == 1 and self.cfg.selection == "quest"
         if seq.plan is None:
             seq.plan = self._plan(s.seq_id, with_digest=decoding)
         if s.num_new_tokens == 1:
-            # One query sees every key it is given: gather all levels' keys into one set and run a single
-            # fused attention (no causal mask, no partial results to merge).
-            keys, values = [recent_k.to(torch.promote_types(q.dtype, torch.float32))], [recent_v]
-            for level, plan in seq.plan.items():
-                chosen = self._choose(level, plan, q, layer) if decoding and level != Level.DEVICE else None
-                level_k, level_v = self._gather(level, plan, chosen, layer, q.dtype)
-                keys.append(level_k)
-                values.append(level_v)
-            all_k = torch.cat(keys, dim=1) if len(keys) > 1 else keys[0]
-            all_v = torch.cat([t.to(all_k.dtype) for t in values], dim=1)
-            return causal_attention(q.to(all_k.dtype), all_k, all_v, all_k.shape[1] - 1).to(q.dtype)
+            return self._attend_decode(layer, seq, q, staged, new_k, new_v, decoding)
         # Prefill chunk: causal among the new tokens, all earlier blocks visible; partials merged by LSE.
+        recent_k = torch.cat((staged[0], new_k), dim=1)
+        recent_v = torch.cat((staged[1], new_v), dim=1)
         partials = [partial_attention(q, recent_k, recent_v, causal_offset=seq.num_staged)]
         for level, plan in seq.plan.items():
             keys, values = self._gather(level, plan, None, layer, q.dtype)
             partials.append(partial_attention(q, keys, values))
         return merge_partials(partials).to(q.dtype)
+
+    def _attend_decode(self, layer: int, seq: _Sequence, q, staged, new_k, new_v, decoding: bool) -> torch.Tensor:
+        """One query sees every key it is given: write all levels' keys into one buffer (decoding straight into
+        it) and run a single fused attention — no causal mask, no partial results to merge."""
+        heads, head_dim, bs = self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.block_size
+        compute = torch.promote_types(q.dtype, torch.float32)
+        chosen = {level: self._choose(level, plan, q, layer) if decoding and level != Level.DEVICE else None
+                  for level, plan in seq.plan.items()}
+        sizes = [staged.shape[2] + 1] + [bs * (len(plan.indices) if chosen[level] is None else chosen[level].shape[1])
+                                         for level, plan in seq.plan.items()]
+        keys = torch.empty((heads, sum(sizes), head_dim), dtype=compute, device=q.device)
+        values = torch.empty_like(keys)
+        n_staged = staged.shape[2]
+        keys[:, :n_staged], values[:, :n_staged] = staged[0], staged[1]
+        keys[:, n_staged : n_staged + 1], values[:, n_staged : n_staged + 1] = new_k, new_v
+        start = sizes[0]
+        for (level, plan), size in zip(seq.plan.items(), sizes[1:]):
+            out = (keys[:, start : start + size], values[:, start : start + size])
+            self._gather(level, plan, chosen[level], layer, compute, out=out)
+            start += size
+        return causal_attention(q.to(compute), keys, values, keys.shape[1] - 1).to(q.dtype)
 
     def _choose(self, level: Level, plan: _LevelPlan, q: torch.Tensor, layer: int) -> torch.Tensor:
         """Query-aware choice of a level's blocks for one decode step: [num_kv_heads, budget] positions."""
@@ -214,21 +225,27 @@ class TieredKVCache(KVCache):
             wanted = math.ceil(self.cfg.semantic_truncate_threshold * num_candidates)
         return max(1, min(num_candidates, wanted))
 
-    def _gather(self, level: Level, plan: _LevelPlan, chosen: torch.Tensor | None, layer: int, dtype: torch.dtype):
+    def _gather(self, level: Level, plan: _LevelPlan, chosen: torch.Tensor | None, layer: int, dtype: torch.dtype,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [num_kv_heads, tokens, head_dim] of one level's blocks (or of the `chosen` positions
-        per KV head), decoded for one layer."""
-        heads, head_dim = self.cfg.num_kv_heads, self.cfg.head_dim
+        [num_kv_heads, budget] per KV head), decoded for one layer; written into `out` when given."""
+        heads, head_dim, bs = self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.block_size
         compute = torch.promote_types(dtype, torch.float32)
         codec = self.codecs[level]
-        head_idx = torch.arange(heads, device=self.cfg.device)[:, None]
+        if out is None:
+            count = len(plan.indices) if chosen is None else chosen.shape[1]
+            out = (torch.empty((heads, count * bs, head_dim), dtype=compute, device=self.cfg.device),
+                   torch.empty((heads, count * bs, head_dim), dtype=compute, device=self.cfg.device))
+        out_k, out_v = (t.view(heads, -1, bs, head_dim) for t in out)  # [heads, blocks, block_size, head_dim]
         if chosen is not None and level != Level.DISK and codec.bits == 16:
-            # Unquantized pool: gather each KV head's own blocks straight from storage.
+            # Unquantized pool: gather each KV head's own blocks straight from storage, in one flat index_select.
             pool = self.device_pool if level == Level.DEVICE else self.host_pool
             slots = plan.slot_tensor[chosen.to(pool.device)]  # [heads, budget]
-            h = head_idx.to(pool.device)
-            keys = pool.storage["k"][layer][h, slots].to(self.cfg.device, compute)  # [heads, budget, bs, D]
-            values = pool.storage["v"][layer][h, slots].to(self.cfg.device, compute)
-            return keys.reshape(heads, -1, head_dim), values.reshape(heads, -1, head_dim)
+            flat = (slots + torch.arange(heads, device=pool.device)[:, None] * pool.num_slots).flatten()
+            for name, dst in (("k", out_k), ("v", out_v)):
+                src = pool.storage[name][layer].view(heads * pool.num_slots, bs, head_dim)
+                dst.copy_(src.index_select(0, flat).view_as(dst))
+            return out
         if chosen is None:
             needed = None
         else:
@@ -242,11 +259,15 @@ class TieredKVCache(KVCache):
             pool = self.device_pool if level == Level.DEVICE else self.host_pool
             slot_tensor = plan.slot_tensor if needed is None else plan.slot_tensor[needed.to(pool.device)]
             parts = pool.get_layer(slot_tensor, layer)
-        keys, values = codec.decode(parts, compute)  # [num_kv_heads, blocks, block_size, head_dim]
-        keys, values = keys.to(self.cfg.device), values.to(self.cfg.device)
-        if needed is not None:
-            keys, values = keys[head_idx, pos], values[head_idx, pos]  # [heads, budget, block_size, head_dim]
-        return keys.reshape(heads, -1, head_dim), values.reshape(heads, -1, head_dim)
+        parts = {name: t.to(self.cfg.device) for name, t in parts.items()}
+        if needed is None:
+            codec.decode(parts, compute, out=(out_k, out_v))  # straight into place
+        else:
+            keys, values = codec.decode(parts, compute)  # [heads, union, block_size, head_dim]
+            head_idx = torch.arange(heads, device=keys.device)[:, None]
+            out_k.copy_(keys[head_idx, pos])
+            out_v.copy_(values[head_idx, pos])
+        return out
 
     # ---- commit and placement ---------------------------------------------------------------------------------
 
