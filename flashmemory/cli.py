@@ -51,7 +51,7 @@ def add_kv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--active-window", type=int, default=None, help="newest tokens kept in L0 (default 2048)")
     g.add_argument("--warm-tokens", type=int, default=None, help="tokens kept in L1 after the window (16384)")
     g.add_argument("--semantic-truncate-threshold", type=float, default=None, help="fraction of L2 blocks read (0.15)")
-    g.add_argument("--warm-budget-tokens", type=int, default=None, help="L1 tokens read per decode step (1024)")
+    g.add_argument("--warm-budget-tokens", type=int, default=None, help="L1 tokens read per decode step (2048)")
     g.add_argument("--cpu-memory-gb", type=float, default=None, help="L1 capacity (4)")
     g.add_argument("--no-cold-zone", dest="cold_zone_enabled", action="store_const", const=False, default=None,
                    help="keep all older KV in L1 (no disk level)")
@@ -164,7 +164,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window-tokens", type=int, default=8192, help="tokens of text scored (capped by the model)")
     p.add_argument("--decode-tokens", type=int, default=128, help="last tokens fed one at a time (teacher forcing)")
     p.add_argument("--config", action="append", default=[], metavar="NAME:key=value,...",
-                   help="a configuration to compare (repeatable); default: mixed, int4, mixed-all-blocks")
+                   help="a configuration to compare (repeatable); default: mixed, mixed-warm1024, mixed-cold, "
+                   "mixed-all-blocks")
     p.add_argument("--passkey-depths", type=float, nargs="*", default=[0.1, 0.5, 0.9])
     p.add_argument("--passkey-tokens", type=int, default=1500)
     p.add_argument("--passkey-window", type=int, default=256, help="active_window/warm_tokens for the passkey runs")

@@ -31,7 +31,7 @@ class EngineConfig:
     active_window: int = 2048  # newest tokens kept in L0
     warm_tokens: int = 16384  # tokens after the window kept in L1 (host) before moving to L2 (disk)
     semantic_truncate_threshold: float = 0.15  # fraction of L2 blocks a decode step attends (query-aware)
-    warm_budget_tokens: int = 1024  # tokens of L1 blocks a decode step attends (query-aware)
+    warm_budget_tokens: int = 2048  # tokens of L1 blocks a decode step attends (query-aware)
     cpu_memory_gb: float = 4.0  # L1 host pool capacity
     cold_zone_enabled: bool = True  # False keeps all older KV in L1 (and says so when L1 is full)
     cold_zone_dir: str | None = None  # folder of the L2 file; None = a private temporary folder

@@ -44,7 +44,7 @@ class TieredCacheConfig:
     active_window: int = 2048  # newest tokens kept in L0
     warm_tokens: int = 16384  # tokens after the window kept in L1 before moving to L2
     semantic_truncate_threshold: float = 0.15  # fraction of L2 blocks a decode step attends
-    warm_budget_tokens: int = 1024  # tokens of L1 blocks a decode step attends (selected)
+    warm_budget_tokens: int = 2048  # tokens of L1 blocks a decode step attends (selected)
     selection: str = "quest"  # "quest" (query-aware) or "exact" (attend everything)
     kv_precision: str = "mixed"  # "fp16" | "int4" | "mixed"
     num_sink_blocks: int = 1  # first blocks pinned to L0 (attention sinks)

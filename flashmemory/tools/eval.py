@@ -26,9 +26,10 @@ from flashmemory.errors import ConfigError
 BASELINE = "exact-fp16"
 BASELINE_KNOBS: dict[str, Any] = {"kv_cache": "contiguous", "kv_precision": "fp16"}
 DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
-    "mixed": {"kv_cache": "tiered", "kv_precision": "mixed"},
-    "int4": {"kv_cache": "tiered", "kv_precision": "int4"},
-    "mixed-all-blocks": {"kv_cache": "tiered", "kv_precision": "mixed", "selection": "exact"},
+    "mixed": {"kv_cache": "tiered"},  # the defaults: INT4 L0 window 2048, FP16 L1, INT2 L2, Quest selection
+    "mixed-warm1024": {"kv_cache": "tiered", "warm_budget_tokens": 1024},  # reads fewer L1 blocks
+    "mixed-cold": {"kv_cache": "tiered", "warm_tokens": 2048},  # pushes older KV to the INT2 disk level
+    "mixed-all-blocks": {"kv_cache": "tiered", "selection": "exact"},  # quantization alone, no selection
 }
 
 
