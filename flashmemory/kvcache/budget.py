@@ -11,7 +11,7 @@ from flashmemory.config import EngineConfig
 from flashmemory.errors import MemoryBudgetError
 from flashmemory.kvcache.blocks import Level
 from flashmemory.kvcache.quant import Codec
-from flashmemory.kvcache.tiered import PRECISIONS, TieredCacheConfig
+from flashmemory.kvcache.tiered_config import PRECISIONS, TieredCacheConfig
 from flashmemory.model.model_config import ModelConfig
 
 MIB = 2**20
