@@ -16,7 +16,7 @@ from flashmemory.engine.sampling import Sampler, SamplingParams
 from flashmemory.engine.stats import GenerationStats, peak_memory
 from flashmemory.engine.stop import StopStringMatcher
 from flashmemory.errors import ConfigError, PromptTooLongError
-from flashmemory.kvcache.budget import plan_device, tiered_config
+from flashmemory.kvcache.budget import DevicePlan, plan_device, tiered_config
 from flashmemory.kvcache.contiguous import ContiguousKVCache
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
 from flashmemory.kvcache.tiered import TieredKVCache
@@ -48,6 +48,7 @@ class FlashMemoryEngine:
                 f"({model_limit} tokens); lower max_seq_len or leave it unset"
             )
         self.max_seq_len = self.config.max_seq_len or model_limit
+        self.device_plan = self._plan_device()  # before loading weights: a budget that cannot work fails fast
         self.model = build_model(checkpoint, self.device, self.dtype)
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint.path, checkpoint.config.eos_token_ids)
         self.cache: KVCache = self._build_cache()
@@ -73,10 +74,19 @@ class FlashMemoryEngine:
                 f"this model uses sliding-window attention ({mc.sliding_window_tokens} tokens), which the tiered "
                 "KV cache does not implement yet; use kv_cache='contiguous'"
             )
+        self.device_plan = self._plan_device()
+        assert self.device_plan is not None
         block_size = cfg.resolve_block_size(self.max_seq_len)
-        self.device_plan = plan_device(cfg, mc, self.model.num_parameter_bytes(), self.dtype, block_size)
         tiered = tiered_config(cfg, mc, self.device_plan, block_size, self.device, f"{self.model_path}:{mc}")
         return TieredKVCache(tiered)
+
+    def _plan_device(self) -> DevicePlan | None:
+        """Split the device budget (weights, workspace, L0 KV); None for the contiguous cache."""
+        if self.config.kv_cache != "tiered":
+            return None
+        weights = self.model_config.num_parameters() * torch.empty((), dtype=self.dtype).element_size()
+        block_size = self.config.resolve_block_size(self.max_seq_len)
+        return plan_device(self.config, self.model_config, weights, self.dtype, block_size)
 
     # ---- public API -------------------------------------------------------------------------------------------
 

@@ -71,6 +71,14 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def num_parameters(self) -> int:
+        """Parameters of our decoder for this config (tied embeddings counted once)."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * per_layer + h
+
     def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         """Bytes one token's keys and values take over all layers (2 bytes/element = fp16)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element

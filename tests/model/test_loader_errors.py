@@ -93,3 +93,10 @@ def test_gguf_with_garbage_content_is_detected(tmp_path):
     bad.write_bytes(b"GGUF" + b"\x07" * 200)
     with pytest.raises(CorruptWeightsError, match="not a readable GGUF"):
         open_checkpoint(bad)
+
+
+def test_parameter_count_from_the_config_matches_the_loaded_model(tiny_llama, smollm2_path):
+    for path in (tiny_llama, smollm2_path):
+        engine = FlashMemoryEngine(model_path=str(path), kv_cache="contiguous")
+        counted = sum(p.numel() for p in engine.model.parameters())
+        assert engine.model_config.num_parameters() == counted
