@@ -6,12 +6,12 @@ import logging
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from flashmemory.errors import CorruptWeightsError, UnsupportedModelError
+from flashmemory.model.gguf_file import GGUFFile, GGUFFormatError, GGUFTensorInfo
 from flashmemory.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -39,8 +39,6 @@ _BLOCK_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-# Metadata arrays we never need here (the tokenizer is rebuilt by transformers from the file itself).
-_SKIPPED_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -64,34 +62,36 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
     """Owns an open GGUF file; maps HF tensor names to dequantized float32 tensors on demand."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
+        from gguf import GGMLQuantizationType
 
         self.path = path
         try:
-            self._reader = gguf.GGUFReader(str(path))
-        except (ValueError, IndexError, OSError, KeyError) as e:
+            self._file = GGUFFile(path)
+        except (GGUFFormatError, ValueError, OSError) as e:
             raise CorruptWeightsError(
-                f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it may be truncated or corrupt — "
-                "download it again"
+                f"{path} is not a readable GGUF file ({e}); it may be truncated or corrupt — download it again"
             ) from e
         file_size = path.stat().st_size
-        needed = max((t.data_offset + int(t.n_bytes) for t in self._reader.tensors), default=0)
+        needed = max((t.offset + t.num_bytes for t in self._file.tensors), default=0)
         if file_size < needed:
             raise CorruptWeightsError(
                 f"{path} is truncated: its tensors need {needed} bytes, the file has {file_size}; download it again"
             )
-        self.metadata = self._read_metadata()
-        self._by_hf_name: dict[str, Any] = {}
-        for t in self._reader.tensors:
+        self.metadata = self._file.metadata
+        self._by_hf_name: dict[str, GGUFTensorInfo] = {}
+        self._types: dict[str, GGMLQuantizationType] = {}
+        for t in self._file.tensors:
             name = hf_tensor_name(t.name)
             if name is None:
                 logger.debug("ignoring GGUF tensor %s", t.name)
                 continue
-            if t.tensor_type.name not in SUPPORTED_GGUF_TYPES:
+            qtype = GGMLQuantizationType(t.type_id)
+            if qtype.name not in SUPPORTED_GGUF_TYPES:
                 raise UnsupportedModelError(
-                    f"GGUF tensor {t.name} has type {t.tensor_type.name}; supported: {', '.join(SUPPORTED_GGUF_TYPES)}"
+                    f"GGUF tensor {t.name} has type {qtype.name}; supported: {', '.join(SUPPORTED_GGUF_TYPES)}"
                 )
             self._by_hf_name[name] = t
+            self._types[name] = qtype
         self.config = ModelConfig.from_gguf_metadata(
             self.metadata,
             has_output_weight="lm_head.weight" in self._by_hf_name,
@@ -99,24 +99,13 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         )
         self._permuted = self.metadata.get("general.architecture") == "llama"
 
-    def _read_metadata(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {}
-        for key, field in self._reader.fields.items():
-            if key in _SKIPPED_ARRAYS:
-                continue
-            try:
-                meta[key] = field.contents()
-            except (ValueError, IndexError, AttributeError, UnicodeDecodeError):
-                logger.debug("unreadable GGUF metadata field %s", key)
-        return meta
-
     def __getitem__(self, name: str) -> torch.Tensor:
         import gguf
 
         t = self._by_hf_name[name]
-        array = gguf.quants.dequantize(t.data, t.tensor_type)
+        array = gguf.quants.dequantize(self._file.raw(t), self._types[name])
         # numpy shape is the GGML shape reversed: [rows, cols] as torch expects.
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = tuple(int(d) for d in reversed(t.shape))
         array = np.ascontiguousarray(array, dtype=np.float32)
         if not array.flags.writeable:  # F32/F16 tensors come back as views of the read-only file map
             array = array.copy()
@@ -136,6 +125,6 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
 
     def tensor_type_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
-        for t in self._by_hf_name.values():
-            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        for qtype in self._types.values():
+            counts[qtype.name] = counts.get(qtype.name, 0) + 1
         return counts

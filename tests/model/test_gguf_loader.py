@@ -87,3 +87,23 @@ def test_k_quant_tensor_is_dequantized_in_place(tmp_path, qtype):
     reference = torch.from_numpy(np.array(gguf.quants.dequantize(raw, t), dtype=np.float32)).reshape(rows, cols)
     assert torch.isfinite(reference).all()
     torch.testing.assert_close(ours, reference, rtol=0, atol=0)
+
+
+def test_lean_reader_keeps_hyper_parameters_and_skips_token_arrays(smollm2_path):
+    from flashmemory.model.gguf_file import GGUFFile
+
+    f = GGUFFile(smollm2_path)
+    assert f.metadata["llama.block_count"] == 30 and f.metadata["general.languages"] == ["en"]
+    assert "tokenizer.ggml.tokens" not in f.metadata  # 49,152 strings: skipped, not decoded
+    assert "{% for message in messages %}" in f.metadata["tokenizer.chat_template"]
+    assert len(f.tensors) == 272 and f.tensors[0].offset % 32 == 0
+
+
+def test_gguf_header_cut_short_is_detected(tmp_path, smollm2_path):
+    from flashmemory.errors import CorruptWeightsError
+
+    cut = tmp_path / "header.gguf"
+    with smollm2_path.open("rb") as src:
+        cut.write_bytes(src.read(100_000))  # ends inside the tokenizer arrays
+    with pytest.raises(CorruptWeightsError, match="unexpected end of file"):
+        open_checkpoint(cut)
