@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from flashmemory.errors import CorruptWeightsError, UnsupportedModelError
+from flashmemory.model.gguf_dequant import dequantize_torch
 from flashmemory.model.gguf_file import GGUFFile, GGUFFormatError, GGUFTensorInfo
 from flashmemory.model.model_config import ModelConfig
 
@@ -103,13 +104,16 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         import gguf
 
         t = self._by_hf_name[name]
-        array = gguf.quants.dequantize(self._file.raw(t), self._types[name])
         # numpy shape is the GGML shape reversed: [rows, cols] as torch expects.
         shape = tuple(int(d) for d in reversed(t.shape))
-        array = np.ascontiguousarray(array, dtype=np.float32)
-        if not array.flags.writeable:  # F32/F16 tensors come back as views of the read-only file map
-            array = array.copy()
-        tensor = torch.from_numpy(array).reshape(shape)
+        raw = self._file.raw(t)
+        tensor = dequantize_torch(raw, self._types[name].name)  # fast path for the common block types
+        if tensor is None:
+            array = np.ascontiguousarray(gguf.quants.dequantize(raw, self._types[name]), dtype=np.float32)
+            if not array.flags.writeable:  # F32/F16 tensors come back as views of the read-only file map
+                array = array.copy()
+            tensor = torch.from_numpy(array)
+        tensor = tensor.reshape(shape)
         cfg = self.config
         if self._permuted and name.endswith("q_proj.weight"):
             tensor = unpermute_rope_rows(tensor, cfg.num_heads)

@@ -107,3 +107,17 @@ def test_gguf_header_cut_short_is_detected(tmp_path, smollm2_path):
         cut.write_bytes(src.read(100_000))  # ends inside the tokenizer arrays
     with pytest.raises(CorruptWeightsError, match="unexpected end of file"):
         open_checkpoint(cut)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_torch_dequantization_equals_the_gguf_reference(qtype):
+    import gguf
+    import numpy as np
+
+    from flashmemory.model.gguf_dequant import dequantize_torch
+
+    t = gguf.GGMLQuantizationType[qtype]
+    x = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
+    raw = gguf.quants.quantize(x, t)
+    reference = torch.from_numpy(np.array(gguf.quants.dequantize(raw, t), dtype=np.float32))
+    assert torch.equal(dequantize_torch(raw, qtype), reference)
