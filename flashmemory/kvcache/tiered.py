@@ -19,6 +19,7 @@ from flashmemory.kvcache.attention import causal_attention
 from flashmemory.kvcache.blocks import BlockManager, Level
 from flashmemory.kvcache.disk_pool import DiskPool
 from flashmemory.kvcache.interface import ForwardBatch, KVCache, SequenceSlice
+from flashmemory.kvcache.placement import PlacementMixin
 from flashmemory.kvcache.pools import TensorPool
 from flashmemory.kvcache.quant import Codec
 from flashmemory.kvcache.selection import select_blocks
@@ -49,7 +50,7 @@ class _Sequence:
     pinned_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token ranges kept in L0
 
 
-class TieredKVCache(KVCache):
+class TieredKVCache(PlacementMixin, KVCache):
     """Owns the three pools, the block tables and the per-sequence digests; computes tiered attention."""
 
     def __init__(self, cfg: TieredCacheConfig) -> None:
@@ -300,93 +301,6 @@ class TieredKVCache(KVCache):
                 grown[: seq.digest.shape[0]] = seq.digest
             seq.digest = grown
         seq.digest[index] = digest
-
-    def _place(self, seq_id: int) -> None:
-        """Move blocks that left the window to L1 and blocks that left the warm span to L2."""
-        cfg = self.cfg
-        table = self.blocks.tables[seq_id]
-        n = len(table.blocks)
-        window_blocks = cfg.active_window // cfg.block_size
-        warm_blocks = cfg.warm_tokens // cfg.block_size
-        for i in range(n):
-            block = table.blocks[i]
-            if block.pinned:
-                continue
-            age = n - 1 - i  # 0 = newest full block
-            if age >= window_blocks and Level.DEVICE in block.slots:
-                self._demote_from_device(seq_id, i)
-            if age >= window_blocks + warm_blocks and block.primary == Level.HOST and self.disk_pool is not None:
-                self._demote_to_disk(seq_id, i)
-
-    def _demote_from_device(self, seq_id: int, index: int) -> None:
-        # The FP16 master copy stays in L1: dropping the L0 copy loses nothing.
-        self.blocks.detach(seq_id, index, Level.DEVICE)
-        self.bytes_moved["L0->L1"] += self.device_pool.bytes_per_slot
-
-    def _demote_to_disk(self, seq_id: int, index: int) -> None:
-        assert self.disk_pool is not None
-        block = self.blocks.tables[seq_id].blocks[index]
-        slot = self._allocate(Level.DISK)
-        k, v = self.codecs[Level.HOST].decode(self.host_pool.get_block(block.slots[Level.HOST]), KV_DTYPE)
-        self.disk_pool.put(slot, self.codecs[Level.DISK].encode(k, v))
-        self.blocks.attach(seq_id, index, Level.DISK, slot)
-        self.blocks.detach(seq_id, index, Level.HOST)
-        self.bytes_moved["L1->L2"] += self.disk_pool.bytes_per_slot
-
-    def _promote_to_device(self, seq_id: int, index: int) -> None:
-        # Re-quantize from the FP16 copy when one exists, so promotion never compounds quantization error.
-        block = self.blocks.tables[seq_id].blocks[index]
-        if Level.HOST in block.slots:
-            k, v = self.codecs[Level.HOST].decode(self.host_pool.get_block(block.slots[Level.HOST]), KV_DTYPE)
-        else:
-            assert self.disk_pool is not None
-            layers = [self.disk_pool.get_layer([block.slots[Level.DISK]], layer) for layer in range(self.cfg.num_layers)]
-            parts = {name: torch.cat([p[name] for p in layers]) for name in layers[0]}
-            k, v = self.codecs[Level.DISK].decode(parts, KV_DTYPE)
-        slot = self._allocate(Level.DEVICE)
-        self.device_pool.put(slot, self.codecs[Level.DEVICE].encode(k, v))
-        self.blocks.attach(seq_id, index, Level.DEVICE, slot)
-
-    def _allocate(self, level: Level) -> int:
-        slot = self.blocks.allocate(level)
-        if slot is None:
-            self._make_room(level)
-            slot = self.blocks.allocate(level)
-        if slot is None:
-            raise CapacityError(self._full_message(level))
-        return slot
-
-    def _make_room(self, level: Level) -> None:
-        """Pressure: demote the oldest movable block of any sequence off `level`."""
-        victim = None
-        for seq_id, table in self.blocks.tables.items():
-            n = len(table.blocks)
-            for i, block in enumerate(table.blocks):
-                movable = not block.pinned and (
-                    (level == Level.DEVICE and Level.DEVICE in block.slots)
-                    or (level == Level.HOST and block.primary == Level.HOST and self.disk_pool is not None)
-                )
-                if movable:
-                    age = n - 1 - i
-                    if victim is None or age > victim[0]:
-                        victim = (age, seq_id, i)
-                    break  # blocks are in age order: the first movable one is this sequence's oldest
-        if victim is None:
-            return
-        _, seq_id, i = victim
-        if level == Level.DEVICE:
-            self._demote_from_device(seq_id, i)
-        else:
-            self._demote_to_disk(seq_id, i)
-
-    def _full_message(self, level: Level) -> str:
-        if level == Level.DEVICE:
-            return ("the device KV pool is full of pinned blocks and newest windows; raise max_gpu_memory_mb, "
-                    "lower active_window, or run fewer sequences at once")
-        if level == Level.HOST:
-            hint = "" if self.disk_pool is not None else " or set cold_zone_enabled=True"
-            return f"the host KV pool is full (cpu_memory_gb); raise cpu_memory_gb{hint}"
-        return "the cold zone file is full; raise cold_zone_gb or shorten the context"
 
     # ---- reporting --------------------------------------------------------------------------------------------
 
