@@ -144,9 +144,12 @@ def format_kv_stats(stats: dict) -> str:
                       if k.startswith("bytes_moved_"))
     if moved:
         lines.append(f"moved      {moved}")
-    sel = [f"{k.split('_')[0]} {v:.1%}" for k, v in stats.items() if k.endswith("_selected_fraction")]
+    sel = [f"{k.split('_')[0]} {v:.1%}" for k, v in stats.items()
+           if k.endswith("_selected_fraction") and stats.get(k.replace("selected_fraction", "candidate_blocks"))]
     if sel:
         lines.append(f"selected   {', '.join(sel)} of candidate blocks per decode step")
+    elif any(k.endswith("_selected_fraction") for k in stats):
+        lines.append("selected   nothing to select: all KV was still in L0")
     if "kv_bytes_used" in stats:
         lines.append(f"KV (contiguous) {stats['kv_bytes_used'] / 2**20:.2f} MiB")
     return "\n".join(lines)

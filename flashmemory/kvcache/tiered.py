@@ -330,6 +330,7 @@ class TieredKVCache(PlacementMixin, KVCache):
         out["L0_bytes_capacity"] = self.device_bytes_capacity()
         for level in (Level.HOST, Level.DISK):
             cand = self.candidate_blocks[level]
+            out[f"L{int(level)}_candidate_blocks"] = cand  # summed over decode steps, layers
             out[f"L{int(level)}_selected_fraction"] = self.selected_blocks[level] / cand if cand else 0.0
         for route, n in self.bytes_moved.items():
             out[f"bytes_moved_{route}"] = n
