@@ -140,3 +140,27 @@ def test_invalid_pinned_span_is_rejected(tiny_llama):
     engine = FlashMemoryEngine(model_path=str(tiny_llama), **TINY_LEVELS)
     with pytest.raises(ConfigError, match="pinned_spans"):
         engine.generate("hello", pinned_spans=[(5, 2)])
+
+
+def test_two_sequences_in_one_batch_match_running_them_alone(tiny_llama):
+    from flashmemory.kvcache.interface import ForwardBatch
+
+    knobs = dict(kv_precision="fp16", selection="exact", **TINY_LEVELS)
+    engine = FlashMemoryEngine(model_path=str(tiny_llama), **knobs)
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randint(3, 300, (60,), generator=gen).tolist()
+    b = torch.randint(3, 300, (45,), generator=gen).tolist()
+    alone_a = _teacher_forced_logits(engine, a, prefill=50)
+    alone_b = _teacher_forced_logits(engine, b, prefill=45)
+    cache = engine.cache
+    cache.add_sequence(1)
+    cache.add_sequence(2)
+    first_a = engine._forward(1, a[:50], all_logits=True)
+    # One batch: a decode step of sequence 1 and the whole prompt of sequence 2 (chunk larger than a block).
+    batch = ForwardBatch.build([(1, 50, 1), (2, 0, 45)], engine.device)
+    logits = engine.model(torch.tensor([a[50]] + b), cache, batch)
+    cache.commit(batch)
+    assert (torch.cat([first_a, logits[:1]]) - alone_a[:51]).abs().max() <= 1e-4
+    assert (logits[1:] - alone_b).abs().max() <= 1e-4
+    assert cache.num_tokens(1) == 51 and cache.num_tokens(2) == 45
+    engine.clear_cache()
