@@ -121,3 +121,25 @@ def test_torch_dequantization_equals_the_gguf_reference(qtype):
     raw = gguf.quants.quantize(x, t)
     reference = torch.from_numpy(np.array(gguf.quants.dequantize(raw, t), dtype=np.float32))
     assert torch.equal(dequantize_torch(raw, qtype), reference)
+
+
+def test_export_to_safetensors_round_trips(tmp_path, tiny_llama):
+    """A GGUF exported as a safetensors folder (what the benchmark feeds transformers) gives the same logits."""
+    import shutil
+
+    from flashmemory.model.export import export_safetensors
+
+    hf = write_tiny_model(tmp_path / "hf", "LlamaForCausalLM")
+    write_tiny_gguf(tmp_path / "m.gguf", hf, "Q8_0")
+    ckpt = open_checkpoint(tmp_path / "m.gguf")
+    # The exporter takes the tokenizer from the checkpoint's folder; the test GGUF has none, so borrow one.
+    for f in (tiny_llama).glob("tokenizer*"):
+        shutil.copy(f, tmp_path / f.name)
+    ckpt.path = tmp_path  # a folder with tokenizer files, as a GGUF's tokenizer would be cached
+    out = export_safetensors(ckpt, tmp_path / "exported")
+    again = open_checkpoint(out)
+    assert again.format == "safetensors" and again.config.num_layers == ckpt.config.num_layers
+    a = build_model(open_checkpoint(tmp_path / "m.gguf"), torch.device("cpu"), torch.float32)
+    b = build_model(again, torch.device("cpu"), torch.float32)
+    ids = list(range(3, 40))
+    assert torch.equal(_logits(a, ids), _logits(b, ids))

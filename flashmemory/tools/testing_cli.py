@@ -11,11 +11,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="flashmemory-test",
         description="KV-memory stress and integrity suites. The MATS suites (`flashmemory-test mats --level N "
-        "--duration S`) exercise the device/host/disk KV levels and are not built yet: this release has only "
-        "the exact contiguous KV cache.",
+        "--duration S`), which will stress the device/host/disk KV levels, are not built yet.",
     )
     parser.parse_args(argv)
-    print("flashmemory-test: no suite is available in this release (MATS needs the KV hierarchy)", file=sys.stderr)
+    print("flashmemory-test: no suite is available in this release (the MATS suites are not built yet)",
+          file=sys.stderr)
     return 2
 
 
