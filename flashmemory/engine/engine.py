@@ -102,7 +102,7 @@ class FlashMemoryEngine:
         """Complete `prompt`, yielding text pieces as they are decoded."""
         started = time.perf_counter()
         params, pinned = _request_options(options)
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = self._prompt_ids(prompt)
         return self._stream_ids(prompt_ids, params, pinned, started)
 
     def chat(self, messages: Messages, **options: Any) -> str:
@@ -125,7 +125,7 @@ class FlashMemoryEngine:
         """Complete `prompt`; returns the generated token ids (end-of-sequence token excluded)."""
         started = time.perf_counter()
         params, pinned = _request_options(options)
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = self._prompt_ids(prompt)
         self._check_prompt(prompt_ids, params.max_new_tokens)
         loop = self._generation_loop(prompt_ids, params, pinned, started)
         return [token for token, _ in loop if token is not None]
@@ -215,6 +215,9 @@ class FlashMemoryEngine:
             close()
 
     # ---- generation -------------------------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def _check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         if not prompt_ids:

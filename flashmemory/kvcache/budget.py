@@ -10,8 +10,7 @@ import torch
 from flashmemory.config import EngineConfig
 from flashmemory.errors import MemoryBudgetError
 from flashmemory.kvcache.blocks import Level
-from flashmemory.kvcache.quant import Codec
-from flashmemory.kvcache.tiered_config import PRECISIONS, TieredCacheConfig
+from flashmemory.kvcache.tiered_config import TieredCacheConfig, level_codecs
 from flashmemory.model.model_config import ModelConfig
 
 MIB = 2**20
@@ -44,8 +43,7 @@ def workspace_bytes(cfg: ModelConfig, chunk_tokens: int, attended_tokens: int, e
 def plan_device(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights_bytes: int, dtype: torch.dtype,
                 block_size: int) -> DevicePlan:
     elem = torch.empty((), dtype=dtype).element_size()
-    bits = PRECISIONS[engine_cfg.kv_precision][Level.DEVICE]
-    codec = Codec(bits, block_size, min(32, model_cfg.head_dim))
+    codec = level_codecs(engine_cfg.kv_precision, block_size, model_cfg.head_dim)[Level.DEVICE]
     slot_bytes = codec.nbytes((model_cfg.num_layers, model_cfg.num_kv_heads), block_size, model_cfg.head_dim)
     staging_one = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * block_size * model_cfg.head_dim * 2
     staging = engine_cfg.max_num_seqs * staging_one
@@ -80,10 +78,9 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
                   device: torch.device, fingerprint_source: str) -> TieredCacheConfig:
     """Slot counts for every level from the budgets."""
     geometry = ((model_cfg.num_layers, model_cfg.num_kv_heads), block_size, model_cfg.head_dim)
-    vg = min(32, model_cfg.head_dim)
-    bits = PRECISIONS[engine_cfg.kv_precision]
-    host_slot = Codec(bits[Level.HOST], block_size, vg).nbytes(*geometry)
-    disk_slot = Codec(bits[Level.DISK], block_size, vg).nbytes(*geometry)
+    codecs = level_codecs(engine_cfg.kv_precision, block_size, model_cfg.head_dim)
+    host_slot = codecs[Level.HOST].nbytes(*geometry)
+    disk_slot = codecs[Level.DISK].nbytes(*geometry)
     return TieredCacheConfig(
         num_layers=model_cfg.num_layers,
         num_kv_heads=model_cfg.num_kv_heads,
@@ -99,7 +96,6 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
         selection=engine_cfg.selection,
         kv_precision=engine_cfg.kv_precision,
         max_num_seqs=engine_cfg.max_num_seqs,
-        value_group_channels=vg,
         cold_zone_enabled=engine_cfg.cold_zone_enabled,
         cold_zone_dir=engine_cfg.cold_zone_dir,
         model_fingerprint=hashlib.sha256(fingerprint_source.encode()).digest()[:16],

@@ -8,7 +8,6 @@ block (never quantized), and the blocks of L1 and L2 that query-aware selection 
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 
@@ -21,19 +20,16 @@ from flashmemory.kvcache.disk_pool import DiskPool
 from flashmemory.kvcache.interface import ForwardBatch, KVCache, SequenceSlice
 from flashmemory.kvcache.placement import PlacementMixin
 from flashmemory.kvcache.pools import TensorPool
-from flashmemory.kvcache.quant import Codec
 from flashmemory.kvcache.selection import select_blocks
 from flashmemory.kvcache.tiered_attention import merge_partials, partial_attention
-from flashmemory.kvcache.tiered_config import KV_DTYPE, PRECISIONS, TieredCacheConfig
+from flashmemory.kvcache.tiered_config import KV_DTYPE, TieredCacheConfig, level_codecs
 
-logger = logging.getLogger(__name__)
 
 @dataclass
 class _LevelPlan:
     """What one forward reads from one level for one sequence (the same for every layer)."""
 
     indices: list[int]  # logical block indices whose primary copy is on the level, in order
-    index_tensor: torch.Tensor  # the same, as a tensor on the compute device
     slots: list[int]
     slot_tensor: torch.Tensor | None  # slots on the pool's device (in-memory pools)
     digest: torch.Tensor | None  # [blocks, num_layers, num_kv_heads, 2, head_dim] for selection (a view if contiguous)
@@ -55,9 +51,7 @@ class TieredKVCache(PlacementMixin, KVCache):
 
     def __init__(self, cfg: TieredCacheConfig) -> None:
         self.cfg = cfg
-        bits = PRECISIONS[cfg.kv_precision]
-        vg = min(cfg.value_group_channels, cfg.head_dim)
-        self.codecs = {level: Codec(b, cfg.block_size, vg) for level, b in zip(Level, bits)}
+        self.codecs = level_codecs(cfg.kv_precision, cfg.block_size, cfg.head_dim)
         geometry = (cfg.num_layers, cfg.num_kv_heads, cfg.block_size, cfg.head_dim)
         self.device_pool = TensorPool(Level.DEVICE, self.codecs[Level.DEVICE], cfg.device_slots, *geometry, cfg.device)
         pin = cfg.device.type == "cuda"
@@ -78,6 +72,10 @@ class TieredKVCache(PlacementMixin, KVCache):
         self.bytes_moved: dict[str, int] = {"L0->L1": 0, "L1->L2": 0, "new->L0": 0, "new->L1": 0}
         self.selected_blocks = {Level.HOST: 0, Level.DISK: 0}
         self.candidate_blocks = {Level.HOST: 0, Level.DISK: 0}
+
+    def _pool(self, level: Level) -> TensorPool:
+        """The in-memory pool of L0 or L1."""
+        return self.device_pool if level == Level.DEVICE else self.host_pool
 
     # ---- sequence lifecycle -----------------------------------------------------------------------------------
 
@@ -178,16 +176,17 @@ class TieredKVCache(PlacementMixin, KVCache):
             if not indices:
                 continue
             slots = [table.blocks[i].slots[level] for i in indices]
-            index_tensor = torch.as_tensor(indices, device=self.cfg.device)
             slot_tensor = None
             if level != Level.DISK:
-                pool = self.device_pool if level == Level.DEVICE else self.host_pool
-                slot_tensor = torch.as_tensor(slots, device=pool.device)
+                slot_tensor = torch.as_tensor(slots, device=self._pool(level).device)
             digest = None
             if with_digest and level != Level.DEVICE:
                 contiguous = indices[-1] - indices[0] + 1 == len(indices)  # the usual case: one run of blocks
-                digest = seq.digest[indices[0] : indices[-1] + 1] if contiguous else seq.digest[index_tensor]
-            plans[level] = _LevelPlan(indices, index_tensor, slots, slot_tensor, digest)
+                if contiguous:
+                    digest = seq.digest[indices[0] : indices[-1] + 1]
+                else:
+                    digest = seq.digest[torch.as_tensor(indices, device=self.cfg.device)]
+            plans[level] = _LevelPlan(indices, slots, slot_tensor, digest)
         return plans
 
     def _budget(self, level: Level, num_candidates: int) -> int:
@@ -211,7 +210,7 @@ class TieredKVCache(PlacementMixin, KVCache):
         out_k, out_v = (t.view(heads, -1, bs, head_dim) for t in out)  # [heads, blocks, block_size, head_dim]
         if chosen is not None and level != Level.DISK and codec.bits == 16:
             # Unquantized pool: gather each KV head's own blocks straight from storage, in one flat index_select.
-            pool = self.device_pool if level == Level.DEVICE else self.host_pool
+            pool = self._pool(level)
             slots = plan.slot_tensor[chosen.to(pool.device)]  # [heads, budget]
             flat = (slots + torch.arange(heads, device=pool.device)[:, None] * pool.num_slots).flatten()
             for name, dst in (("k", out_k), ("v", out_v)):
@@ -228,7 +227,7 @@ class TieredKVCache(PlacementMixin, KVCache):
             slots = plan.slots if needed is None else [plan.slots[i] for i in needed.tolist()]
             parts = {name: t.transpose(0, 1) for name, t in self.disk_pool.get_layer(slots, layer).items()}
         else:
-            pool = self.device_pool if level == Level.DEVICE else self.host_pool
+            pool = self._pool(level)
             slot_tensor = plan.slot_tensor if needed is None else plan.slot_tensor[needed.to(pool.device)]
             parts = pool.get_layer(slot_tensor, layer)
         parts = {name: t.to(self.cfg.device) for name, t in parts.items()}

@@ -6,7 +6,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashmemory.kvcache.blocks import Level
+from flashmemory.kvcache.quant import Codec
+
 PRECISIONS = {"fp16": (16, 16, 16), "int4": (4, 16, 4), "mixed": (4, 16, 2)}  # bits on L0, L1, L2
+VALUE_GROUP_CHANNELS = 32  # channels sharing one per-token scale/zero of the values (capped by head_dim)
+
+
+def level_codecs(kv_precision: str, block_size: int, head_dim: int) -> dict[Level, Codec]:
+    """The codec of every level for a precision: keys grouped per block, values per 32 channels."""
+    value_group = min(VALUE_GROUP_CHANNELS, head_dim)
+    return {level: Codec(bits, block_size, value_group) for level, bits in zip(Level, PRECISIONS[kv_precision])}
 KV_DTYPE = torch.float16  # the unquantized KV storage type (the newest block, L1, the "fp16" precision)
 
 
@@ -29,7 +39,6 @@ class TieredCacheConfig:
     kv_precision: str = "mixed"  # "fp16" | "int4" | "mixed"
     num_sink_blocks: int = 1  # first blocks pinned to L0 (attention sinks)
     max_num_seqs: int = 16  # sequences alive at once (each owns a staging block in L0)
-    value_group_channels: int = 32
     cold_zone_enabled: bool = True
     cold_zone_dir: str | None = None
     model_fingerprint: bytes = b""
