@@ -24,7 +24,7 @@ from flashmemory.errors import ColdBlockError, ConfigError
 from flashmemory.kvcache.quant import Codec, Parts
 
 MAGIC = b"FMKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: keys and values share one "codes" part
 _FIXED = struct.Struct("<4sHBxIIII16s")  # magic, version, bits, layers, heads, block_size, head_dim, fingerprint
 
 

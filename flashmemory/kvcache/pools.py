@@ -9,10 +9,12 @@ from flashmemory.kvcache.quant import Codec, Parts
 
 
 class TensorPool:
-    """Owns one level's preallocated storage: per codec part, a tensor [num_layers, num_kv_heads, num_slots, ...].
+    """Owns one level's preallocated storage: one byte tensor [num_layers, num_kv_heads, num_slots, record_bytes].
 
-    A slot holds one block (block_size tokens) of every layer. Layer- then head-major, so gathering one layer's
-    blocks yields [num_kv_heads, blocks, ...], the layout attention wants. Nothing is allocated after construction.
+    A slot holds one block (block_size tokens) of every layer. The record of a (layer, KV head, slot) is the
+    codec's parts back to back, so gathering one layer's blocks is a single index_select yielding
+    [num_kv_heads, blocks, record_bytes], the layout attention wants, and the parts are views into it.
+    Nothing is allocated after construction.
     """
 
     def __init__(
@@ -31,28 +33,48 @@ class TensorPool:
         self.codec = codec
         self.num_slots = num_slots
         self.block_size = block_size
-        shapes = codec.part_shapes((num_kv_heads,), block_size, head_dim)
         self.device = device
-        self.storage: dict[str, torch.Tensor] = {
-            name: torch.empty((num_layers, shape[0], num_slots, *shape[1:]), dtype=dtype, device=device,
-                              pin_memory=pin_memory)
-            for name, (shape, dtype) in shapes.items()
-        }
-        self.bytes_per_slot = codec.nbytes((num_layers, num_kv_heads), block_size, head_dim)
+        # name -> (byte offset in the record, byte size, shape without the lead dims, dtype)
+        self.layout: dict[str, tuple[int, int, tuple[int, ...], torch.dtype]] = {}
+        offset = 0
+        for name, (shape, dtype) in codec.part_shapes((), block_size, head_dim).items():
+            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            self.layout[name] = (offset, size, shape, dtype)
+            offset += size
+        self.record_bytes = offset
+        self.storage = torch.empty((num_layers, num_kv_heads, num_slots, offset), dtype=torch.uint8, device=device,
+                                   pin_memory=pin_memory)
+        self.bytes_per_slot = num_layers * num_kv_heads * offset
 
     @property
     def capacity_bytes(self) -> int:
         return self.num_slots * self.bytes_per_slot
 
+    def _parts(self, records: torch.Tensor) -> Parts:
+        """Views of the parts inside records [..., record_bytes] -> {name: [..., *shape]}."""
+        lead = records.shape[:-1]
+        return {name: records[..., off : off + size].view(dtype).view(*lead, *shape)
+                for name, (off, size, shape, dtype) in self.layout.items()}
+
     def put(self, slot: int, parts: Parts) -> None:
         """Store an encoded block (parts shaped [num_layers, num_kv_heads, ...]) in `slot`."""
+        record = self.storage[:, :, slot]  # [L, heads, record_bytes]
         for name, tensor in parts.items():
-            self.storage[name][:, :, slot].copy_(tensor, non_blocking=True)
+            off, size, _, dtype = self.layout[name]
+            raw = tensor.to(dtype).contiguous().view(torch.uint8).reshape(*record.shape[:2], size)
+            record[..., off : off + size].copy_(raw, non_blocking=True)
 
     def get_layer(self, slots: torch.Tensor, layer: int) -> Parts:
         """Encoded parts of one layer for several slots (a long tensor on the pool's device): [heads, len(slots), ...]."""
-        return {name: t[layer].index_select(1, slots) for name, t in self.storage.items()}
+        return self._parts(self.storage[layer].index_select(1, slots))
+
+    def get_layer_per_head(self, slots: torch.Tensor, layer: int) -> Parts:
+        """One layer, each KV head its own slots: slots [heads, n] (long, on the pool's device) -> [heads, n, ...]."""
+        heads, n = slots.shape
+        flat = (slots + torch.arange(heads, device=slots.device)[:, None] * self.num_slots).flatten()
+        records = self.storage[layer].view(heads * self.num_slots, self.record_bytes).index_select(0, flat)
+        return self._parts(records.view(heads, n, self.record_bytes))
 
     def get_block(self, slot: int) -> Parts:
         """All layers of one slot: [num_layers, num_kv_heads, ...] (views)."""
-        return {name: t[:, :, slot] for name, t in self.storage.items()}
+        return self._parts(self.storage[:, :, slot])

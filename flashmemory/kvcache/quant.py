@@ -32,16 +32,19 @@ class Codec:
         return "fp16" if self.bits == 16 else f"int{self.bits}"
 
     def part_shapes(self, lead: tuple[int, ...], tokens: int, head_dim: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Shapes and dtypes of the parts of one block whose keys/values are [*lead, tokens, head_dim]."""
+        """Shapes and dtypes of the parts of one block whose keys/values are [*lead, tokens, head_dim].
+
+        Keys and values share one tensor ("kv" or "codes", K first along the axis of size 2), so gathering
+        and unpacking a level's blocks takes one operation for both.
+        """
         if self.bits == 16:
-            return {"k": ((*lead, tokens, head_dim), torch.float16), "v": ((*lead, tokens, head_dim), torch.float16)}
+            return {"kv": ((*lead, 2, tokens, head_dim), torch.float16)}
         packed = head_dim * self.bits // 8
         kg, vg = tokens // self.key_group_tokens, head_dim // self.value_group_channels
         return {
-            "k_codes": ((*lead, tokens, packed), torch.uint8),
+            "codes": ((*lead, 2, tokens, packed), torch.uint8),
             "k_scale": ((*lead, kg, head_dim), torch.float16),
             "k_zero": ((*lead, kg, head_dim), torch.float16),
-            "v_codes": ((*lead, tokens, packed), torch.uint8),
             "v_scale": ((*lead, tokens, vg), torch.float16),
             "v_zero": ((*lead, tokens, vg), torch.float16),
         }
@@ -58,35 +61,43 @@ class Codec:
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
         """k, v: [..., tokens, head_dim] (any float dtype) -> parts."""
         if self.bits == 16:
-            return {"k": k.to(torch.float16), "v": v.to(torch.float16)}
+            return {"kv": torch.stack((k, v), dim=-3).to(torch.float16)}
         kc, ks, kz = quantize(k, self.bits, axis=-2, group=self.key_group_tokens)
         vc, vs, vz = quantize(v, self.bits, axis=-1, group=self.value_group_channels)
-        return {"k_codes": kc, "k_scale": ks, "k_zero": kz, "v_codes": vc, "v_scale": vs, "v_zero": vz}
+        return {"codes": torch.stack((kc, vc), dim=-3), "k_scale": ks, "k_zero": kz, "v_scale": vs, "v_zero": vz}
 
-    def decode(
-        self, parts: Parts, dtype: torch.dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """parts -> k, v [..., tokens, head_dim] in `dtype`, written into `out` (float32/float64) when given."""
+    def decode(self, parts: Parts, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """parts -> keys and values as one tensor [2, ..., tokens, head_dim] (K then V) in `dtype`.
+
+        `out` (float32/float64, may be a strided view into a larger buffer) receives the result in place.
+        """
+        kv = parts["kv" if self.bits == 16 else "codes"].movedim(-3, 0)  # [2, ..., tokens, D or packed]
         if self.bits == 16:
             if out is None:
-                return parts["k"].to(dtype), parts["v"].to(dtype)
-            out[0].copy_(parts["k"])
-            out[1].copy_(parts["v"])
-            return out
+                return kv.to(dtype)
+            return out.copy_(kv)
         compute = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-        k = dequantize(parts["k_codes"], parts["k_scale"], parts["k_zero"], self.bits, -2, self.key_group_tokens,
-                       compute, out=None if out is None else out[0])
-        v = dequantize(parts["v_codes"], parts["v_scale"], parts["v_zero"], self.bits, -1,
-                       self.value_group_channels, compute, out=None if out is None else out[1])
-        return (k, v) if out is not None else (k.to(dtype), v.to(dtype))
+        if out is None:
+            *lead, width = kv.shape
+            out = torch.empty((*lead, width * 8 // self.bits), dtype=compute, device=kv.device)
+        unpack_into(kv, self.bits, out)
+        # Scale and zero point, read as fp16 by the in-place ops (no converted copies).
+        k, key_axis = _grouped(out[0], -2, self.key_group_tokens)
+        k.mul_(parts["k_scale"].unsqueeze(key_axis)).add_(parts["k_zero"].unsqueeze(key_axis))
+        v, value_axis = _grouped(out[1], -1, self.value_group_channels)
+        v.mul_(parts["v_scale"].unsqueeze(value_axis)).add_(parts["v_zero"].unsqueeze(value_axis))
+        return out if out.dtype == dtype else out.to(dtype)
 
 
 def _grouped(x: torch.Tensor, axis: int, group: int) -> tuple[torch.Tensor, int]:
-    """View x [..., T, D] with the group as its own axis; returns the view and the axis to reduce over."""
+    """View x [..., T, D] with the group as its own axis; returns the view and the axis to reduce over.
+
+    Always a view (never a copy), so in-place arithmetic on the result lands in x.
+    """
     *lead, t, d = x.shape
     if axis == -2:
-        return x.reshape(*lead, t // group, group, d), -2  # [..., T/g, g, D]
-    return x.reshape(*lead, t, d // group, group), -1  # [..., T, D/g, g]
+        return x.view(*lead, t // group, group, d), -2  # [..., T/g, g, D]
+    return x.view(*lead, t, d // group, group), -1  # [..., T, D/g, g]
 
 
 def quantize(x: torch.Tensor, bits: int, axis: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -96,7 +107,7 @@ def quantize(x: torch.Tensor, bits: int, axis: int, group: int) -> tuple[torch.T
     [..., T/group, D] (axis -2) or [..., T, D/group] (axis -1).
     """
     levels = (1 << bits) - 1
-    xg, red = _grouped(x.float(), axis, group)
+    xg, red = _grouped(x.float().contiguous(), axis, group)
     lo = xg.amin(dim=red, keepdim=True)
     hi = xg.amax(dim=red, keepdim=True)
     scale = ((hi - lo) / levels).to(torch.float16)
@@ -107,25 +118,18 @@ def quantize(x: torch.Tensor, bits: int, axis: int, group: int) -> tuple[torch.T
     return pack(codes, bits), scale.squeeze(red), zero.squeeze(red)
 
 
-def dequantize(
-    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, axis: int, group: int,
-    dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Inverse of `quantize`: [..., T, D] in `dtype` (float32 by default).
+def unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
+    """Unpack codes [..., W] straight into the float tensor `out` [..., W * 8 / bits] (which may be a strided view).
 
-    Written for speed on CPU: each bit plane is converted straight into its slice of the output (`out`, which
-    may be a view into a larger buffer), then one in-place multiply-add applies scale and zero point.
+    Written for speed on CPU: each bit plane is converted into its contiguous slice of the output (the planar
+    layout of `pack`), so there is no intermediate code tensor and no gather.
     """
     per_byte = 8 // bits
     mask = (1 << bits) - 1
     width = packed.shape[-1]
-    if out is None:
-        out = torch.empty((*packed.shape[:-1], width * per_byte), dtype=dtype, device=packed.device)
     for i in range(per_byte):
         plane = packed if i == 0 else packed >> (bits * i)
         out[..., i * width : (i + 1) * width] = plane & mask if i < per_byte - 1 else plane
-    grouped, red = _grouped(out, axis, group)
-    grouped.mul_(scale.to(dtype).unsqueeze(red)).add_(zero.to(dtype).unsqueeze(red))
     return out
 
 

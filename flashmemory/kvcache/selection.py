@@ -1,23 +1,39 @@
-"""Query-aware block selection (Quest): score blocks by an upper bound of q.k from per-channel key min/max."""
+"""Query-aware block selection (Quest): score blocks by an upper bound of q.k from per-channel key min/max.
+
+A block's digest stores, per channel, the centre and the radius of the keys' [min, max] box. The largest q.k
+any key in the box can reach is sum_c max(q_c min_c, q_c max_c) = q . centre + |q| . radius, so scoring every
+block of a level is one batched matrix product per KV head instead of a pass over a 4-D tensor.
+"""
 
 from __future__ import annotations
 
 import torch
 
 
+def key_digest(keys: torch.Tensor) -> torch.Tensor:
+    """keys [..., tokens, head_dim] -> digest [..., 2 * head_dim] (float32): centre then radius of each channel."""
+    lo, hi = keys.float().aminmax(dim=-2)
+    return torch.cat(((hi + lo) * 0.5, (hi - lo) * 0.5), dim=-1)
+
+
+def block_scores(q: torch.Tensor, digest: torch.Tensor) -> torch.Tensor:
+    """Upper bound of q.k over each block's keys, the largest over the query heads sharing a KV head.
+
+    q: [num_heads, head_dim] (one decode token); digest: [num_kv_heads, num_blocks, 2 * head_dim]
+    returns [num_kv_heads, num_blocks]
+    """
+    num_kv_heads, _, width = digest.shape
+    group = q.shape[0] // num_kv_heads
+    q = q.float()
+    q_ext = torch.cat((q, q.abs()), dim=-1).view(num_kv_heads, group, width)  # [heads, group, 2D]
+    return torch.bmm(digest, q_ext.transpose(1, 2)).amax(dim=-1)  # [heads, blocks]
+
+
 def select_blocks(q: torch.Tensor, digest: torch.Tensor, budget: int) -> torch.Tensor:
     """Pick, per KV head, the `budget` blocks whose keys can score highest against the query.
 
-    q: [num_heads, head_dim] (one decode token); digest: [num_blocks, num_kv_heads, 2, head_dim] (min, max)
+    q: [num_heads, head_dim]; digest: [num_kv_heads, num_blocks, 2 * head_dim] (see `key_digest`)
     returns indices into the blocks, [num_kv_heads, budget], ascending
     """
-    num_blocks, num_kv_heads, _, head_dim = digest.shape
-    group = q.shape[0] // num_kv_heads
-    qg = q.float().view(1, num_kv_heads, group, head_dim)  # [1, heads, group, D]
-    lo = digest[:, :, 0].unsqueeze(2)  # [blocks, heads, 1, D]
-    hi = digest[:, :, 1].unsqueeze(2)
-    # Upper bound of q.k for any key inside the box [lo, hi]: per channel, the larger of q*lo and q*hi.
-    bound = torch.maximum(qg * lo, qg * hi).sum(-1)  # [blocks, heads, group]
-    score = bound.amax(dim=-1).transpose(0, 1)  # [heads, blocks]: a block matters if any query head needs it
-    chosen = torch.topk(score, budget, dim=-1).indices
+    chosen = torch.topk(block_scores(q, digest), budget, dim=-1, sorted=False).indices
     return chosen.sort(dim=-1).values

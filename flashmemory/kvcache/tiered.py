@@ -20,7 +20,7 @@ from flashmemory.kvcache.disk_pool import DiskPool
 from flashmemory.kvcache.interface import ForwardBatch, KVCache, SequenceSlice
 from flashmemory.kvcache.placement import PlacementMixin
 from flashmemory.kvcache.pools import TensorPool
-from flashmemory.kvcache.selection import select_blocks
+from flashmemory.kvcache.selection import key_digest, select_blocks
 from flashmemory.kvcache.tiered_attention import merge_partials, partial_attention
 from flashmemory.kvcache.tiered_config import KV_DTYPE, TieredCacheConfig, level_codecs
 
@@ -32,7 +32,7 @@ class _LevelPlan:
     indices: list[int]  # logical block indices whose primary copy is on the level, in order
     slots: list[int]
     slot_tensor: torch.Tensor | None  # slots on the pool's device (in-memory pools)
-    digest: torch.Tensor | None  # [blocks, num_layers, num_kv_heads, 2, head_dim] for selection (a view if contiguous)
+    digest: torch.Tensor | None  # [num_layers, num_kv_heads, blocks, 2 * head_dim] for selection (a view if contiguous)
 
 
 @dataclass
@@ -40,7 +40,7 @@ class _Sequence:
     staging_index: int  # row of the staging arena holding the still-filling block
     num_tokens: int = 0  # committed tokens (full blocks + staged)
     num_staged: int = 0
-    digest: torch.Tensor | None = None  # [capacity_blocks, num_layers, num_kv_heads, 2, head_dim] key min/max
+    digest: torch.Tensor | None = None  # [num_layers, num_kv_heads, capacity_blocks, 2 * head_dim] (key_digest)
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer, this forward
     plan: dict[Level, _LevelPlan] | None = None  # built at layer 0 of a forward, dropped at commit
     pinned_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token ranges kept in L0
@@ -134,37 +134,36 @@ class TieredKVCache(PlacementMixin, KVCache):
         recent_v = torch.cat((staged[1], new_v), dim=1)
         partials = [partial_attention(q, recent_k, recent_v, causal_offset=seq.num_staged)]
         for level, plan in seq.plan.items():
-            keys, values = self._gather(level, plan, None, layer, q.dtype)
-            partials.append(partial_attention(q, keys, values))
+            kv = self._gather(level, plan, None, layer, q.dtype)
+            partials.append(partial_attention(q, kv[0], kv[1]))
         return merge_partials(partials).to(q.dtype)
 
     def _attend_decode(self, layer: int, seq: _Sequence, q, staged, new_k, new_v, decoding: bool) -> torch.Tensor:
-        """One query sees every key it is given: write all levels' keys into one buffer (decoding straight into
-        it) and run a single fused attention — no causal mask, no partial results to merge."""
+        """One query sees every key it is given: write all levels' keys and values into one buffer (decoding
+        straight into it) and run a single fused attention — no causal mask, no partial results to merge."""
         heads, head_dim, bs = self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.block_size
         compute = torch.promote_types(q.dtype, torch.float32)
         chosen = {level: self._choose(level, plan, q, layer) if decoding and level != Level.DEVICE else None
                   for level, plan in seq.plan.items()}
-        sizes = [staged.shape[2] + 1] + [bs * (len(plan.indices) if chosen[level] is None else chosen[level].shape[1])
-                                         for level, plan in seq.plan.items()]
-        keys = torch.empty((heads, sum(sizes), head_dim), dtype=compute, device=q.device)
-        values = torch.empty_like(keys)
         n_staged = staged.shape[2]
-        keys[:, :n_staged], values[:, :n_staged] = staged[0], staged[1]
-        keys[:, n_staged : n_staged + 1], values[:, n_staged : n_staged + 1] = new_k, new_v
+        sizes = [n_staged + 1] + [bs * (len(plan.indices) if chosen[level] is None else chosen[level].shape[1])
+                                  for level, plan in seq.plan.items()]
+        kv = torch.empty((2, heads, sum(sizes), head_dim), dtype=compute, device=q.device)  # K then V
+        kv[:, :, :n_staged] = staged
+        kv[0, :, n_staged : n_staged + 1] = new_k
+        kv[1, :, n_staged : n_staged + 1] = new_v
         start = sizes[0]
         for (level, plan), size in zip(seq.plan.items(), sizes[1:]):
-            out = (keys[:, start : start + size], values[:, start : start + size])
-            self._gather(level, plan, chosen[level], layer, compute, out=out)
+            self._gather(level, plan, chosen[level], layer, compute, out=kv[:, :, start : start + size])
             start += size
-        return causal_attention(q.to(compute), keys, values, keys.shape[1] - 1).to(q.dtype)
+        return causal_attention(q.to(compute), kv[0], kv[1], kv.shape[2] - 1).to(q.dtype)
 
     def _choose(self, level: Level, plan: _LevelPlan, q: torch.Tensor, layer: int) -> torch.Tensor:
         """Query-aware choice of a level's blocks for one decode step: [num_kv_heads, budget] positions."""
         budget = self._budget(level, len(plan.indices))
         self.candidate_blocks[level] += len(plan.indices)
         self.selected_blocks[level] += budget
-        return select_blocks(q[0], plan.digest[:, layer], budget)
+        return select_blocks(q[0], plan.digest[layer], budget)
 
     def _plan(self, seq_id: int, with_digest: bool) -> dict[Level, _LevelPlan]:
         """Per level, the blocks this forward reads from it (computed once, used by every layer)."""
@@ -183,9 +182,9 @@ class TieredKVCache(PlacementMixin, KVCache):
             if with_digest and level != Level.DEVICE:
                 contiguous = indices[-1] - indices[0] + 1 == len(indices)  # the usual case: one run of blocks
                 if contiguous:
-                    digest = seq.digest[indices[0] : indices[-1] + 1]
+                    digest = seq.digest[:, :, indices[0] : indices[-1] + 1]
                 else:
-                    digest = seq.digest[torch.as_tensor(indices, device=self.cfg.device)]
+                    digest = seq.digest[:, :, torch.as_tensor(indices, device=self.cfg.device)]
             plans[level] = _LevelPlan(indices, slots, slot_tensor, digest)
         return plans
 
@@ -197,25 +196,21 @@ class TieredKVCache(PlacementMixin, KVCache):
         return max(1, min(num_candidates, wanted))
 
     def _gather(self, level: Level, plan: _LevelPlan, chosen: torch.Tensor | None, layer: int, dtype: torch.dtype,
-                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [num_kv_heads, tokens, head_dim] of one level's blocks (or of the `chosen` positions
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Keys and values [2, num_kv_heads, tokens, head_dim] of one level's blocks (or of the `chosen` positions
         [num_kv_heads, budget] per KV head), decoded for one layer; written into `out` when given."""
         heads, head_dim, bs = self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.block_size
         compute = torch.promote_types(dtype, torch.float32)
         codec = self.codecs[level]
+        count = len(plan.indices) if chosen is None else chosen.shape[1]
         if out is None:
-            count = len(plan.indices) if chosen is None else chosen.shape[1]
-            out = (torch.empty((heads, count * bs, head_dim), dtype=compute, device=self.cfg.device),
-                   torch.empty((heads, count * bs, head_dim), dtype=compute, device=self.cfg.device))
-        out_k, out_v = (t.view(heads, -1, bs, head_dim) for t in out)  # [heads, blocks, block_size, head_dim]
+            out = torch.empty((2, heads, count * bs, head_dim), dtype=compute, device=self.cfg.device)
+        blocks_out = out.view(2, heads, count, bs, head_dim)
         if chosen is not None and level != Level.DISK and codec.bits == 16:
-            # Unquantized pool: gather each KV head's own blocks straight from storage, in one flat index_select.
+            # Unquantized pool: gather each KV head's own blocks straight from storage, in one index_select.
             pool = self._pool(level)
-            slots = plan.slot_tensor[chosen.to(pool.device)]  # [heads, budget]
-            flat = (slots + torch.arange(heads, device=pool.device)[:, None] * pool.num_slots).flatten()
-            for name, dst in (("k", out_k), ("v", out_v)):
-                src = pool.storage[name][layer].view(heads * pool.num_slots, bs, head_dim)
-                dst.copy_(src.index_select(0, flat).view_as(dst))
+            parts = pool.get_layer_per_head(plan.slot_tensor[chosen.to(pool.device)], layer)
+            codec.decode({name: t.to(self.cfg.device) for name, t in parts.items()}, compute, out=blocks_out)
             return out
         if chosen is None:
             needed = None
@@ -232,12 +227,10 @@ class TieredKVCache(PlacementMixin, KVCache):
             parts = pool.get_layer(slot_tensor, layer)
         parts = {name: t.to(self.cfg.device) for name, t in parts.items()}
         if needed is None:
-            codec.decode(parts, compute, out=(out_k, out_v))  # straight into place
+            codec.decode(parts, compute, out=blocks_out)  # straight into place
         else:
-            keys, values = codec.decode(parts, compute)  # [heads, union, block_size, head_dim]
-            head_idx = torch.arange(heads, device=keys.device)[:, None]
-            out_k.copy_(keys[head_idx, pos])
-            out_v.copy_(values[head_idx, pos])
+            kv = codec.decode(parts, compute)  # [2, heads, union, block_size, head_dim]
+            blocks_out.copy_(kv[:, torch.arange(heads, device=kv.device)[:, None], pos])
         return out
 
     # ---- commit and placement ---------------------------------------------------------------------------------
@@ -291,15 +284,16 @@ class TieredKVCache(PlacementMixin, KVCache):
         self.blocks.attach(seq_id, index, Level.DEVICE, device_slot)
         self.bytes_moved["new->L1"] += self.host_pool.bytes_per_slot
         self.bytes_moved["new->L0"] += self.device_pool.bytes_per_slot
-        # Digest for selection: per layer and KV head, the channel-wise min and max of the block's keys.
-        digest = torch.stack((k.amin(dim=2), k.amax(dim=2)), dim=2).float()  # [L, heads, 2, D]
-        if seq.digest is None or seq.digest.shape[0] <= index:
+        # Digest for selection: per layer and KV head, the centre and radius of the block's key channels.
+        digest = key_digest(k)  # [L, heads, 2 * D]
+        if seq.digest is None or seq.digest.shape[2] <= index:
             capacity = max(64, 2 * (index + 1))
-            grown = torch.empty((capacity, *digest.shape), dtype=torch.float32, device=cfg.device)
+            num_layers, heads, width = digest.shape
+            grown = torch.empty((num_layers, heads, capacity, width), dtype=torch.float32, device=cfg.device)
             if seq.digest is not None:
-                grown[: seq.digest.shape[0]] = seq.digest
+                grown[:, :, : seq.digest.shape[2]] = seq.digest
             seq.digest = grown
-        seq.digest[index] = digest
+        seq.digest[:, :, index] = digest
 
     # ---- reporting --------------------------------------------------------------------------------------------
 
