@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from flashmemory.kvcache.blocks import Level
+from flashmemory.kvcache.native import RecordFormat
 from flashmemory.kvcache.quant import Codec, Parts
 
 
@@ -49,6 +50,16 @@ class TensorPool:
     @property
     def capacity_bytes(self) -> int:
         return self.num_slots * self.bytes_per_slot
+
+    @property
+    def record_format(self) -> RecordFormat:
+        """The record layout, for the decode kernel that reads blocks straight from storage."""
+        offsets = {name: off for name, (off, *_) in self.layout.items()}
+        c = self.codec
+        if c.bits == 16:
+            return RecordFormat(16, self.block_size, c.key_group_tokens, c.value_group_channels, offsets["kv"])
+        return RecordFormat(c.bits, self.block_size, c.key_group_tokens, c.value_group_channels, offsets["codes"],
+                            offsets["k_scale"], offsets["k_zero"], offsets["v_scale"], offsets["v_zero"])
 
     def _parts(self, records: torch.Tensor) -> Parts:
         """Views of the parts inside records [..., record_bytes] -> {name: [..., *shape]}."""

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from flashmemory.errors import CapacityError
+from flashmemory.kvcache import native
 from flashmemory.kvcache.attention import causal_attention
 from flashmemory.kvcache.blocks import BlockManager, Level
 from flashmemory.kvcache.disk_pool import DiskPool
 from flashmemory.kvcache.interface import ForwardBatch, KVCache, SequenceSlice
+from flashmemory.kvcache.native import DecodeState
 from flashmemory.kvcache.placement import PlacementMixin
 from flashmemory.kvcache.pools import TensorPool
 from flashmemory.kvcache.selection import key_digest, select_blocks
@@ -69,6 +71,8 @@ class TieredKVCache(PlacementMixin, KVCache):
                                     cfg.head_dim), dtype=KV_DTYPE, device=cfg.device)
         self._free_staging = list(range(cfg.max_num_seqs))
         self.seqs: dict[int, _Sequence] = {}
+        # Decode steps read L0/L1 blocks through the compiled kernel where it is available (CPU, float32).
+        self._native = native.supports(cfg.block_size, cfg.head_dim, cfg.device, torch.float32)
         self.bytes_moved: dict[str, int] = {"L0->L1": 0, "L1->L2": 0, "new->L0": 0, "new->L1": 0}
         self.selected_blocks = {Level.HOST: 0, Level.DISK: 0}
         self.candidate_blocks = {Level.HOST: 0, Level.DISK: 0}
@@ -141,6 +145,8 @@ class TieredKVCache(PlacementMixin, KVCache):
     def _attend_decode(self, layer: int, seq: _Sequence, q, staged, new_k, new_v, decoding: bool) -> torch.Tensor:
         """One query sees every key it is given: write all levels' keys and values into one buffer (decoding
         straight into it) and run a single fused attention — no causal mask, no partial results to merge."""
+        if self._native and q.dtype == torch.float32:
+            return self._attend_decode_native(layer, seq, q, staged, new_k, new_v, decoding)
         heads, head_dim, bs = self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.block_size
         compute = torch.promote_types(q.dtype, torch.float32)
         chosen = {level: self._choose(level, plan, q, layer) if decoding and level != Level.DEVICE else None
@@ -157,6 +163,23 @@ class TieredKVCache(PlacementMixin, KVCache):
             self._gather(level, plan, chosen[level], layer, compute, out=kv[:, :, start : start + size])
             start += size
         return causal_attention(q.to(compute), kv[0], kv[1], kv.shape[2] - 1).to(q.dtype)
+
+    def _attend_decode_native(self, layer: int, seq: _Sequence, q, staged, new_k, new_v, decoding: bool) -> torch.Tensor:
+        """`_attend_decode` through the compiled kernel: L0 and L1 blocks are read straight from their pools'
+        records (INT4 / FP16) and folded into one online softmax; nothing is decoded into a float buffer first."""
+        heads = self.cfg.num_kv_heads
+        state = DecodeState(native.library(), q[0], heads)
+        state.add_dense(torch.cat((staged[0], new_k), dim=1), torch.cat((staged[1], new_v), dim=1))
+        for level, plan in seq.plan.items():
+            chosen = self._choose(level, plan, q, layer) if decoding and level != Level.DEVICE else None
+            if level == Level.DISK:  # read from the file as parts, not records: decode, then fold
+                kv = self._gather(level, plan, chosen, layer, torch.float32)
+                state.add_dense(kv[0], kv[1])
+                continue
+            pool = self._pool(level)
+            slots = plan.slot_tensor.expand(heads, -1) if chosen is None else plan.slot_tensor[chosen]
+            state.add_records(pool.storage[layer], slots, pool.record_format)
+        return state.output().unsqueeze(0)
 
     def _choose(self, level: Level, plan: _LevelPlan, q: torch.Tensor, layer: int) -> torch.Tensor:
         """Query-aware choice of a level's blocks for one decode step: [num_kv_heads, budget] positions."""
