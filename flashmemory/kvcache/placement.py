@@ -51,6 +51,34 @@ class PlacementMixin:
             if age >= window_blocks + warm_blocks and block.primary == Level.HOST and self.disk_pool is not None:
                 self._demote_to_disk(seq_id, i)
 
+    def demote_sequence(self, seq_id: int) -> int:
+        """Drop every L0 copy of the sequence's blocks, pinned ones included (preemption under device pressure).
+
+        Nothing is lost: every block keeps its FP16 copy in L1 (or its L2 copy). The still-filling block stays in
+        its staging row. Returns the number of blocks demoted.
+        """
+        demoted = 0
+        for index, block in enumerate(self.blocks.tables[seq_id].blocks):
+            if Level.DEVICE in block.slots:
+                assert len(block.slots) > 1, "an L0 copy is never a block's only copy"
+                self._demote_from_device(seq_id, index)
+                demoted += 1
+        return demoted
+
+    def promote_sequence(self, seq_id: int) -> int:
+        """Undo demote_sequence: restore the L0 copies placement keeps (sinks, pinned spans, the newest window),
+        re-quantized from the FP16 copies, so attention reads exactly what it read before. Returns the count."""
+        table = self.blocks.tables[seq_id]
+        window_blocks = self.cfg.active_window // self.cfg.block_size
+        promoted = 0
+        for index, block in enumerate(table.blocks):
+            hot = block.pinned or len(table.blocks) - 1 - index < window_blocks
+            if hot and Level.DEVICE not in block.slots:
+                self._promote_to_device(seq_id, index)
+                promoted += 1
+        self.bytes_moved["L1->L0"] = self.bytes_moved.get("L1->L0", 0) + promoted * self.device_pool.bytes_per_slot
+        return promoted
+
     def _demote_from_device(self, seq_id: int, index: int) -> None:
         # The FP16 master copy stays in L1: dropping the L0 copy loses nothing.
         self.blocks.detach(seq_id, index, Level.DEVICE)

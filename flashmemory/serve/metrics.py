@@ -1,0 +1,124 @@
+"""ServerMetrics: the server's Prometheus registry (`flashmemory:` prefix, vLLM's names where the meaning is the same).
+
+Request metrics are updated by the engine thread as tokens are sampled; the KV levels are exported per `tier`
+(L0 device, L1 host, L2 disk) from the latest `cache.stats()` snapshot the engine thread publishes each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "flashmemory:"
+TIERS = ("L0", "L1", "L2")
+# vLLM's buckets for the same histograms.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+
+
+class _KVCollector(Collector):
+    """Exports the KV levels from the latest stats snapshot (a dict replaced whole, so reads need no lock)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.snapshot: dict[str, int | float] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot
+        labels = ["model_name", "tier"]
+
+        def family(kind, name: str, doc: str, extra: list[str] | None = None):
+            cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            return cls(PREFIX + name, doc, labels=labels + (extra or []))
+
+        usage = family("gauge", "kv_cache_usage_perc", "KV usage of each level (fraction of its capacity, 0-1)")
+        blocks = family("gauge", "kv_blocks", "KV blocks held on each level")
+        blocks_total = family("gauge", "kv_blocks_capacity", "KV blocks each level can hold")
+        nbytes = family("gauge", "kv_bytes", "KV bytes held on each level (L0 includes the newest, unquantized blocks)")
+        capacity = family("gauge", "kv_bytes_capacity", "KV bytes each level can hold (the current budget)")
+        selected = family("gauge", "kv_selected_fraction",
+                          "Fraction of a level's candidate blocks that decode steps attended (query-aware selection)")
+        moved = family("counter", "kv_bytes_moved", "KV bytes written into a level, by source level ('new' = fresh KV)",
+                       ["source"])
+        read = family("counter", "kv_bytes_read", "KV bytes read back from a level's storage")
+        failures = family("counter", "kv_load_failures", "Blocks that failed to load from a level, by reason",
+                          ["reason"])
+        for tier in TIERS:
+            key = f"{tier}_blocks"
+            if key not in s:
+                continue
+            lv = [self.model_name, tier]
+            blocks.add_metric(lv, s[key])
+            total = s.get(f"{tier}_blocks_total", 0)
+            blocks_total.add_metric(lv, total)
+            used, cap = s.get(f"{tier}_bytes", 0), s.get(f"{tier}_bytes_capacity", 0)
+            nbytes.add_metric(lv, used)
+            capacity.add_metric(lv, cap)
+            usage.add_metric(lv, used / cap if cap else 0.0)
+            if f"{tier}_selected_fraction" in s:
+                selected.add_metric(lv, s[f"{tier}_selected_fraction"])
+            if f"{tier}_load_failures_missing" in s or tier == "L2":
+                for reason in ("missing", "truncated", "checksum", "header"):
+                    failures.add_metric(lv + [reason], s.get(f"{tier}_load_failures_{reason}", 0))
+            if f"{tier}_bytes_read" in s:
+                read.add_metric(lv, s[f"{tier}_bytes_read"])
+        for key, value in s.items():
+            if key.startswith("bytes_moved_"):
+                source, _, dest = key.removeprefix("bytes_moved_").partition("->")
+                moved.add_metric([self.model_name, dest, source], value)
+        yield from (usage, blocks, blocks_total, nbytes, capacity, selected, moved, read, failures)
+
+
+class ServerMetrics:
+    """Owns one server's registry: requests, tokens, latencies, preemptions, and the KV levels."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.num_requests_running = Gauge(PREFIX + "num_requests_running", "Sequences in the running batch", m,
+                                          registry=r).labels(model_name)
+        self.num_requests_waiting = Gauge(PREFIX + "num_requests_waiting",
+                                          "Sequences waiting to run (queued, or preempted and not yet resumed)", m,
+                                          registry=r).labels(model_name)
+        self.num_requests_parked = Gauge(PREFIX + "num_requests_parked",
+                                         "Sequences preempted by demotion (KV in L1/L2), waiting for room in L0", m,
+                                         registry=r).labels(model_name)
+        self._preemptions = Counter(PREFIX + "num_preemptions",
+                                    "Preemptions: 'demote' moved a sequence out of L0, 'recompute' freed it to be "
+                                    "prefilled again", m + ["kind"], registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled (recomputed ones included)", m,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated", m,
+                                         registry=r).labels(model_name)
+        self._success = Counter(PREFIX + "request_success", "Finished sequences by reason", m + ["finished_reason"],
+                                registry=r)
+        self.time_to_first_token = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token", m,
+                                             buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.inter_token_latency = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens", m,
+                                             buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e_request_latency = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token", m,
+                                             buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        for kind in ("demote", "recompute"):
+            self._preemptions.labels(model_name, kind)
+        for reason in ("stop", "length", "abort", "error"):
+            self._success.labels(model_name, reason)
+        self._kv = _KVCollector(model_name)
+        r.register(self._kv)
+        ProcessCollector(registry=r)
+
+    def count_preemption(self, kind: str, n: int = 1) -> None:
+        self._preemptions.labels(self.model_name, kind).inc(n)
+
+    def count_finished(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+    def publish_kv(self, stats: dict[str, int | float]) -> None:
+        self._kv.snapshot = dict(stats)

@@ -1,0 +1,227 @@
+"""OpenAI request bodies (pydantic) and their validation into token ids and sampling parameters."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from flashmemory.engine.sampling import SamplingParams
+from flashmemory.errors import PromptTooLongError
+from flashmemory.serve.api_errors import APIError
+
+MAX_STOP_STRINGS = 16
+
+
+class _Request(BaseModel):
+    # Unknown fields are ignored, as the OpenAI API and vLLM do; known but unsupported ones are rejected below.
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # Clients send `"temperature": null` for "not set": take the default, as OpenAI does.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0  # OpenAI's default
+    top_p: float = 1.0
+    top_k: int = 0  # extension (as in vLLM): 0 or -1 = no limit
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # extension (as in vLLM): generate exactly max_tokens tokens
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> dict[str, Any]:
+        """Fields set to something this server does not implement (rejected, never silently ignored)."""
+        out = {}
+        if self.presence_penalty:
+            out["presence_penalty"] = self.presence_penalty
+        if self.frequency_penalty:
+            out["frequency_penalty"] = self.frequency_penalty
+        if self.logit_bias:
+            out["logit_bias"] = self.logit_bias
+        return out
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}", param="stop")
+        return tuple(stop)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> dict[str, Any]:
+        out = super().unsupported()
+        if self.echo:
+            out["echo"] = True
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        if self.suffix:
+            out["suffix"] = self.suffix
+        if self.best_of is not None and self.best_of != self.n:
+            out["best_of"] = self.best_of
+        return out
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        pieces = []
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"messages[{index}].content[{j}]: only text parts are supported "
+                               f"(type 'text'), got type {part.get('type')!r}", param=f"messages.{index}.content")
+            pieces.append(part["text"])
+        return "".join(pieces)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # extension (as in vLLM)
+
+    def unsupported(self) -> dict[str, Any]:
+        out = super().unsupported()
+        if self.logprobs or self.top_logprobs:
+            out["logprobs"] = True
+        if self.tools:
+            out["tools"] = "tools"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            out["response_format"] = self.response_format
+        return out
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        if not self.messages:
+            raise APIError(400, "messages must hold at least one message", param="messages")
+        # "developer" is OpenAI's newer name for the system role; chat templates know "system".
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+                for i, m in enumerate(self.messages)]
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """JSON body -> request model; any problem is a 400 naming the offending field."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = str(err["loc"][0]) if err["loc"] else None
+        loc = ".".join(str(x) for x in err["loc"])
+        raise APIError(400, f"{loc or 'body'}: {err['msg']}", param=param, code="invalid_value") from None
+
+
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int, param: str) -> None:
+    if not prompt_ids:
+        raise APIError(400, f"the {param} is empty: give at least one token", param=param, code="invalid_value")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"token id(s) {bad[:5]} are outside the vocabulary [0, {vocab_size})", param=param,
+                       code="invalid_value")
+
+
+def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_seq_len: int, max_tokens_limit: int,
+                       kind: str) -> int:
+    """Tokens to generate: the requested number (checked against the context and the server's cap), or as many
+    as fit. Raises PromptTooLongError with vLLM's wording when the prompt and completion exceed the context."""
+    where = "messages" if kind == "chat" else "prompt"
+    if requested is not None:
+        if requested < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens",
+                           code="invalid_value")
+        if requested > max_tokens_limit:
+            raise APIError(400, f"max_tokens={requested} is above this server's limit of {max_tokens_limit} "
+                           "(--max-tokens-limit)", param="max_tokens", code="invalid_value")
+    wanted = requested if requested is not None else 1
+    if num_prompt_tokens + wanted > max_seq_len:
+        raise PromptTooLongError(
+            f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
+            f"{num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the {where}, {wanted} in the completion). "
+            f"Please reduce the length of the {where} or completion.",
+            max_model_len=max_seq_len, num_prompt_tokens=num_prompt_tokens,
+        )
+    if requested is not None:
+        return requested
+    return min(max_tokens_limit, max_seq_len - num_prompt_tokens)
+
+
+def sampling_params(req: _GenerationRequest, max_tokens: int, seed: int | None) -> SamplingParams:
+    """Validated sampling parameters of one choice (SamplingParamsError names the field)."""
+    return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                          top_k=req.top_k, seed=seed, stop=req.stop_strings(), ignore_eos=req.ignore_eos)
