@@ -99,6 +99,43 @@ def passkey_prompt(tokenizer, filler: str, total_tokens: int, depth: float, key:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def perplexity(token_logprobs: torch.Tensor) -> float:
+    """exp of the mean negative log-probability of the actual next tokens."""
+    return math.exp(-token_logprobs.mean().item())
+
+
+def compare_distributions(exact_lp: torch.Tensor, dist: torch.Tensor) -> tuple[float, float]:
+    """(mean KL(exact || dist), top-1 agreement) of next-token log-softmax rows [positions, vocab]."""
+    if exact_lp.shape != dist.shape:
+        raise ConfigError(f"cannot compare distributions of shapes {tuple(exact_lp.shape)} and {tuple(dist.shape)}: "
+                          "score the same tokens with the same number of teacher-forced steps")
+    mean_kl = (exact_lp.exp() * (exact_lp - dist)).sum(-1).mean().item()
+    top1 = (exact_lp.argmax(-1) == dist.argmax(-1)).float().mean().item()
+    return mean_kl, top1
+
+
+def score_config(engine, ids: list[int], decode_tokens: int, name: str, knobs: dict[str, Any],
+                 exact_lp: torch.Tensor | None = None) -> tuple[ConfigResult, torch.Tensor]:
+    """Score `ids` with the KV configuration `knobs`; returns its figures and its decode log-softmax rows.
+
+    Against `exact_lp` (the exact cache's rows for the same ids) when given; otherwise this is the baseline.
+    """
+    engine.reconfigure_kv(**knobs)
+    score = engine.score_tokens(ids, num_teacher_forced=decode_tokens)
+    n_pre = score.num_prefill_tokens
+    lp = score.token_logprobs
+    r = ConfigResult(name, knobs)
+    r.prefill_ppl = perplexity(lp[:n_pre])
+    r.decode_ppl = perplexity(lp[n_pre:])
+    dist = score.decode_logprobs
+    if exact_lp is not None:
+        r.mean_kl, r.top1_agreement = compare_distributions(exact_lp, dist)
+    r.device_kv_bytes = _device_kv_bytes(score.kv_stats)
+    r.decode_tokens_per_s = score.num_decode_steps / score.decode_seconds if score.decode_seconds else 0.0
+    r.kv_stats = {k: float(v) for k, v in score.kv_stats.items()}
+    return r, dist
+
+
 def run_eval(engine, text: str, window_tokens: int, decode_tokens: int, configs: dict[str, dict[str, Any]],
              passkey_depths: list[float], passkey_tokens: int, passkey_window: int, log=print) -> dict[str, Any]:
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
@@ -112,24 +149,10 @@ def run_eval(engine, text: str, window_tokens: int, decode_tokens: int, configs:
     exact_lp: torch.Tensor | None = None
     for name, knobs in [(BASELINE, BASELINE_KNOBS), *configs.items()]:
         log(f"[{name}] {knobs}")
-        engine.reconfigure_kv(**knobs)
         t0 = time.perf_counter()
-        score = engine.score_tokens(ids, num_teacher_forced=decode_tokens)
-        n_pre = score.num_prefill_tokens
-        lp = score.token_logprobs
-        r = ConfigResult(name, knobs)
-        r.prefill_ppl = math.exp(-lp[:n_pre].mean().item())
-        r.decode_ppl = math.exp(-lp[n_pre:].mean().item())
-        dist = score.decode_logprobs
+        r, dist = score_config(engine, ids, decode_tokens, name, knobs, exact_lp)
         if exact_lp is None:
             exact_lp = dist
-        else:
-            p_exact = exact_lp.exp()
-            r.mean_kl = (p_exact * (exact_lp - dist)).sum(-1).mean().item()
-            r.top1_agreement = (exact_lp.argmax(-1) == dist.argmax(-1)).float().mean().item()
-        r.device_kv_bytes = _device_kv_bytes(score.kv_stats)
-        r.decode_tokens_per_s = score.num_decode_steps / score.decode_seconds if score.decode_seconds else 0.0
-        r.kv_stats = {k: float(v) for k, v in score.kv_stats.items()}
         if passkey_depths:
             # A short haystack with a small window, so the needle must come back from L1/L2 (tiered configs).
             small = dict(knobs)
