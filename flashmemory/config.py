@@ -40,6 +40,12 @@ class EngineConfig:
     prefill_chunk_tokens: int = 512  # prompt tokens per forward during prefill (bounds activation memory)
     selection: str = "quest"  # "quest" (attend the blocks the query needs) or "exact" (attend all)
     max_num_seqs: int = 4  # sequences alive at once (each holds a still-filling block in L0)
+    record_traces: bool = False  # keep every decode step's block choices (per layer, KV head) for predictor training
+    prefetch_strategy: str = "none"  # "none", "adaptive" (depth follows hit rate) or "aggressive" (L2 -> L1 staging)
+    prefetch_ranker: str = "predictor"  # what ranks blocks to prefetch: "predictor" (heat MLP) or "lru" (recency)
+    prefetch_budget_mb: float = 64.0  # host memory for prefetched L2 blocks (the staging area)
+    heat_predictor_path: str | None = None  # trained heat-predictor weights (.npz); None = the shipped ones
+    cold_zone_uncached_reads: bool = False  # drop L2 pages from the OS page cache after each read (honest disk I/O)
 
     def __post_init__(self) -> None:
         if self.dtype in _DTYPE_ALIASES:
@@ -78,6 +84,12 @@ class EngineConfig:
         for name in ("cpu_memory_gb", "cold_zone_gb"):
             value = getattr(self, name)
             need(isinstance(value, (int, float)) and value > 0, f"{name}={value!r} must be a positive number (GiB)")
+        need(self.prefetch_strategy in ("none", "adaptive", "aggressive"),
+             f"prefetch_strategy={self.prefetch_strategy!r}: use 'none', 'adaptive' or 'aggressive'")
+        need(self.prefetch_ranker in ("predictor", "lru"),
+             f"prefetch_ranker={self.prefetch_ranker!r}: use 'predictor' or 'lru'")
+        need(isinstance(self.prefetch_budget_mb, (int, float)) and self.prefetch_budget_mb > 0,
+             f"prefetch_budget_mb={self.prefetch_budget_mb!r} must be a positive number (MiB)")
         bs = self.block_size
         need(bs == "auto" or (isinstance(bs, int) and bs in (8, 16, 32, 64, 128)),
              f"block_size={bs!r}: use 'auto' or one of 8, 16, 32, 64, 128 (tokens)")

@@ -100,6 +100,12 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
         cold_zone_dir=engine_cfg.cold_zone_dir,
         model_fingerprint=hashlib.sha256(fingerprint_source.encode()).digest()[:16],
         device=device,
+        record_traces=engine_cfg.record_traces,
+        prefetch_strategy=engine_cfg.prefetch_strategy,
+        prefetch_ranker=engine_cfg.prefetch_ranker,
+        prefetch_budget_bytes=int(engine_cfg.prefetch_budget_mb * MIB),
+        heat_predictor_path=engine_cfg.heat_predictor_path,
+        cold_zone_uncached_reads=engine_cfg.cold_zone_uncached_reads,
     )
 
 

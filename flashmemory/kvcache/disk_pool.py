@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+import threading
 import zlib
 from pathlib import Path
 
@@ -58,6 +59,11 @@ class DiskPool:
         self.bytes_written = 0
         self.bytes_read = 0
         self._crcs: dict[int, list[int]] = {}  # slot -> per-layer crc32 of what was written
+        # Bumped when a slot is (re)written or freed, before the bytes change: a copy read ahead of need (prefetch)
+        # is served only while its slot's generation is the one it was read under.
+        self.generation: dict[int, int] = {}
+        self.uncached_reads = False  # drop each read record from the OS page cache (see set_uncached_reads)
+        self._counter_lock = threading.Lock()  # reads also come from prefetch threads
         self._owned_dir: tempfile.TemporaryDirectory | None = None
         if directory is None:
             self._owned_dir = tempfile.TemporaryDirectory(prefix="flashmemory-cold-")
@@ -105,8 +111,23 @@ class DiskPool:
     def _segment(self, parts: Parts, layer: int) -> bytes:
         return b"".join(parts[name][layer].contiguous().cpu().numpy().tobytes() for name in self.part_shapes)
 
+    def set_uncached_reads(self, enabled: bool) -> None:
+        """Make every read come from the disk, not the OS page cache: random-access advice (no readahead) and,
+        after each read, POSIX_FADV_DONTNEED on the record (for honest cold-level measurements)."""
+        self.uncached_reads = enabled and hasattr(os, "posix_fadvise")
+        if self.uncached_reads:
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+            self.drop_page_cache()
+
+    def drop_page_cache(self) -> None:
+        """Write dirty pages back, then ask the OS to drop the whole file from its page cache."""
+        if self._fd >= 0 and hasattr(os, "posix_fadvise"):
+            os.fdatasync(self._fd)
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
     def put(self, slot: int, parts: Parts) -> None:
         """Write a block (parts shaped [num_layers, num_kv_heads, ...]) into `slot` with one pwrite."""
+        self.generation[slot] = self.generation.get(slot, 0) + 1
         segments = [self._segment(parts, layer) for layer in range(self.num_layers)]
         crcs = [zlib.crc32(s) for s in segments]
         fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, self.codec.bits, self.num_layers, self.lead[0],
@@ -119,31 +140,44 @@ class DiskPool:
 
     def free(self, slot: int) -> None:
         """Forget a slot: its magic is zeroed so stale bytes can never be read back as a block."""
+        self.generation[slot] = self.generation.get(slot, 0) + 1
         if self._crcs.pop(slot, None) is not None and self._fd >= 0:
             os.pwrite(self._fd, b"\0\0\0\0", slot * self.record_bytes)
 
-    def _fail(self, reason: str, message: str) -> ColdBlockError:
-        self.load_failures[reason] += 1
+    def _fail(self, reason: str, message: str, count: bool = True) -> ColdBlockError:
+        if count:
+            with self._counter_lock:
+                self.load_failures[reason] += 1
         return ColdBlockError(message, reason=reason)
+
+    def read_segment(self, slot: int, layer: int, count_failures: bool = True) -> bytes:
+        """One layer of one slot, verified against its crc32 (a torn or stale read raises ColdBlockError).
+        Safe from several threads (positional reads). Prefetch reads pass count_failures=False: a slot rewritten
+        under them is a race they lose, not a disk fault."""
+        expected = self._crcs.get(slot)
+        if expected is None:
+            raise self._fail("header", f"cold block slot {slot} holds no block", count_failures)
+        offset = slot * self.record_bytes + self.header_bytes + layer * self.segment_bytes
+        data = os.pread(self._fd, self.segment_bytes, offset)
+        if self.uncached_reads:
+            os.posix_fadvise(self._fd, slot * self.record_bytes, self.record_bytes, os.POSIX_FADV_DONTNEED)
+        if len(data) < self.segment_bytes:
+            raise self._fail("truncated", f"cold zone file {self.path} is truncated at slot {slot}", count_failures)
+        if zlib.crc32(data) != expected[layer]:
+            raise self._fail("checksum", f"cold block slot {slot} layer {layer} failed its checksum", count_failures)
+        with self._counter_lock:
+            self.bytes_read += len(data)
+        return data
+
+    def check_file(self) -> None:
+        """Raise ColdBlockError("missing") when the cold-zone file was deleted under us."""
+        if os.fstat(self._fd).st_nlink == 0:
+            raise self._fail("missing", f"cold zone file {self.path} was deleted; its KV blocks are lost")
 
     def get_layer(self, slots: list[int], layer: int) -> Parts:
         """One layer of several slots: parts [len(slots), num_kv_heads, ...], every segment verified."""
-        if os.fstat(self._fd).st_nlink == 0:
-            raise self._fail("missing", f"cold zone file {self.path} was deleted; its KV blocks are lost")
-        chunks = []
-        for slot in slots:
-            expected = self._crcs.get(slot)
-            if expected is None:
-                raise self._fail("header", f"cold block slot {slot} holds no block")
-            offset = slot * self.record_bytes + self.header_bytes + layer * self.segment_bytes
-            data = os.pread(self._fd, self.segment_bytes, offset)
-            if len(data) < self.segment_bytes:
-                raise self._fail("truncated", f"cold zone file {self.path} is truncated at slot {slot}")
-            if zlib.crc32(data) != expected[layer]:
-                raise self._fail("checksum", f"cold block slot {slot} layer {layer} failed its checksum")
-            chunks.append(data)
-            self.bytes_read += len(data)
-        return self._unflatten(b"".join(chunks), len(slots))
+        self.check_file()
+        return self.unflatten(b"".join(self.read_segment(slot, layer) for slot in slots), len(slots))
 
     def verify_header(self, slot: int) -> None:
         """Check a slot's on-disk header (magic, version, shape, fingerprint, header crc)."""
@@ -158,7 +192,7 @@ class DiskPool:
         if not ok:
             raise self._fail("header", f"cold block slot {slot} has a bad header (format, shape or model mismatch)")
 
-    def _unflatten(self, data: bytes, n: int) -> Parts:
+    def unflatten(self, data: bytes, n: int) -> Parts:
         # data is n segments back to back; each segment is the parts in order, for one slot.
         buf = np.frombuffer(bytearray(data), dtype=np.uint8).reshape(n, self.segment_bytes)
         parts: Parts = {}

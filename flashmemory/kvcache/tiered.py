@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from flashmemory.errors import CapacityError
 from flashmemory.kvcache import native
+from flashmemory.kvcache.access_trace import ChoiceEvent, TraceRecorder, make_event
 from flashmemory.kvcache.attention import causal_attention
 from flashmemory.kvcache.blocks import BlockManager, Level
 from flashmemory.kvcache.disk_pool import DiskPool
+from flashmemory.kvcache.heat_predictor import HeatPredictor
 from flashmemory.kvcache.interface import ForwardBatch, KVCache, SequenceSlice
 from flashmemory.kvcache.native import DecodeState
 from flashmemory.kvcache.placement import PlacementMixin
 from flashmemory.kvcache.pools import TensorPool
-from flashmemory.kvcache.selection import key_digest, select_blocks
+from flashmemory.kvcache.prefetch import Prefetcher
+from flashmemory.kvcache.selection import block_scores, key_digest, select_blocks
 from flashmemory.kvcache.tiered_attention import merge_partials, partial_attention
 from flashmemory.kvcache.tiered_config import KV_DTYPE, TieredCacheConfig, level_codecs
 
@@ -35,6 +39,9 @@ class _LevelPlan:
     slots: list[int]
     slot_tensor: torch.Tensor | None  # slots on the pool's device (in-memory pools)
     digest: torch.Tensor | None  # [num_layers, num_kv_heads, blocks, 2 * head_dim] for selection (a view if contiguous)
+    seq_id: int = -1
+    position: int = 0  # the sequence's tokens before this forward (the decode step's clock)
+    num_blocks: int = 0  # full blocks of the sequence
 
 
 @dataclass
@@ -46,6 +53,12 @@ class _Sequence:
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer, this forward
     plan: dict[Level, _LevelPlan] | None = None  # built at layer 0 of a forward, dropped at commit
     pinned_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token ranges kept in L0
+
+
+class ChoiceObserver(Protocol):
+    """Told of every query-aware choice a decode step makes (see access_trace.ChoiceEvent)."""
+
+    def on_choose(self, event: ChoiceEvent) -> None: ...
 
 
 class TieredKVCache(PlacementMixin, KVCache):
@@ -76,6 +89,37 @@ class TieredKVCache(PlacementMixin, KVCache):
         self.bytes_moved: dict[str, int] = {"L0->L1": 0, "L1->L2": 0, "new->L0": 0, "new->L1": 0}
         self.selected_blocks = {Level.HOST: 0, Level.DISK: 0}
         self.candidate_blocks = {Level.HOST: 0, Level.DISK: 0}
+        # Objects told of every query-aware choice (trace recorder, prefetcher); none = no scoring overhead.
+        self.choice_observers: list[ChoiceObserver] = []
+        self.trace: TraceRecorder | None = None
+        if cfg.record_traces:
+            self.trace = TraceRecorder()
+            self.choice_observers.append(self.trace)
+        self.prefetcher: Prefetcher | None = None
+        if self.disk_pool is not None:
+            self.disk_pool.set_uncached_reads(cfg.cold_zone_uncached_reads)
+            if cfg.prefetch_strategy != "none":
+                predictor = HeatPredictor.load(cfg.heat_predictor_path) if cfg.prefetch_ranker == "predictor" else None
+                self.use_prefetcher(Prefetcher(self.disk_pool, cfg.num_layers, cfg.num_kv_heads, cfg.prefetch_strategy,
+                                               cfg.prefetch_budget_bytes, self.disk_slot, cfg.prefetch_ranker,
+                                               predictor))
+
+    def use_prefetcher(self, prefetcher: Prefetcher | None) -> Prefetcher | None:
+        """Swap the L2 prefetcher (None: read L2 on demand only); returns the previous one, still open."""
+        previous = self.prefetcher
+        if previous is not None:
+            self.choice_observers.remove(previous)
+        self.prefetcher = prefetcher
+        if prefetcher is not None:
+            self.choice_observers.append(prefetcher)
+        return previous
+
+    def disk_slot(self, seq_id: int, index: int) -> int | None:
+        """The L2 slot of a sequence's logical block, if it has one (for the prefetcher)."""
+        table = self.blocks.tables.get(seq_id)
+        if table is None or index >= len(table.blocks):
+            return None
+        return table.blocks[index].slots.get(Level.DISK)
 
     def _pool(self, level: Level) -> TensorPool:
         """The in-memory pool of L0 or L1."""
@@ -101,6 +145,8 @@ class TieredKVCache(PlacementMixin, KVCache):
             if level == Level.DISK and self.disk_pool is not None:
                 self.disk_pool.free(slot)
         self._free_staging.append(seq.staging_index)
+        if self.prefetcher is not None:
+            self.prefetcher.forget(seq_id)
 
     def sequence_ids(self) -> list[int]:
         return list(self.seqs)
@@ -186,7 +232,15 @@ class TieredKVCache(PlacementMixin, KVCache):
         budget = self._budget(level, len(plan.indices))
         self.candidate_blocks[level] += len(plan.indices)
         self.selected_blocks[level] += budget
-        return select_blocks(q[0], plan.digest[layer], budget)
+        if not self.choice_observers:
+            return select_blocks(q[0], plan.digest[layer], budget)
+        scores = block_scores(q[0], plan.digest[layer])  # [heads, n]; the same choice select_blocks makes
+        chosen = torch.topk(scores, budget, dim=-1, sorted=False).indices.sort(dim=-1).values
+        event = make_event(plan.seq_id, plan.position, layer, int(level), plan.indices, scores, chosen, q[0],
+                           plan.num_blocks)
+        for observer in self.choice_observers:
+            observer.on_choose(event)
+        return chosen
 
     def _plan(self, seq_id: int, with_digest: bool) -> dict[Level, _LevelPlan]:
         """Per level, the blocks this forward reads from it (computed once, used by every layer)."""
@@ -208,7 +262,7 @@ class TieredKVCache(PlacementMixin, KVCache):
                     digest = seq.digest[:, :, indices[0] : indices[-1] + 1]
                 else:
                     digest = seq.digest[:, :, torch.as_tensor(indices, device=self.cfg.device)]
-            plans[level] = _LevelPlan(indices, slots, slot_tensor, digest)
+            plans[level] = _LevelPlan(indices, slots, slot_tensor, digest, seq_id, seq.num_tokens, len(table.blocks))
         return plans
 
     def _budget(self, level: Level, num_candidates: int) -> int:
@@ -243,7 +297,11 @@ class TieredKVCache(PlacementMixin, KVCache):
         if level == Level.DISK:
             assert self.disk_pool is not None
             slots = plan.slots if needed is None else [plan.slots[i] for i in needed.tolist()]
-            parts = {name: t.transpose(0, 1) for name, t in self.disk_pool.get_layer(slots, layer).items()}
+            if self.prefetcher is not None:
+                read = self.prefetcher.get_layer(slots, layer, plan.seq_id)
+            else:
+                read = self.disk_pool.get_layer(slots, layer)
+            parts = {name: t.transpose(0, 1) for name, t in read.items()}
         else:
             pool = self._pool(level)
             slot_tensor = plan.slot_tensor if needed is None else plan.slot_tensor[needed.to(pool.device)]
@@ -354,8 +412,12 @@ class TieredKVCache(PlacementMixin, KVCache):
             out["L2_bytes_read"] = self.disk_pool.bytes_read
             for reason, n in self.disk_pool.load_failures.items():
                 out[f"L2_load_failures_{reason}"] = n
+        if self.prefetcher is not None:
+            out.update(self.prefetcher.stats())
         return out
 
     def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         if self.disk_pool is not None:
             self.disk_pool.close()

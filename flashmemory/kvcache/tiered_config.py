@@ -43,3 +43,9 @@ class TieredCacheConfig:
     cold_zone_dir: str | None = None
     model_fingerprint: bytes = b""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    record_traces: bool = False  # keep a TraceRecorder of every query-aware choice
+    prefetch_strategy: str = "none"  # "none" | "adaptive" | "aggressive" (see prefetch.py)
+    prefetch_ranker: str = "predictor"  # "predictor" | "lru"
+    prefetch_budget_bytes: int = 64 * 2**20  # host bytes of staged (prefetched) L2 segments
+    heat_predictor_path: str | None = None  # None = the weights shipped in the package
+    cold_zone_uncached_reads: bool = False  # posix_fadvise(DONTNEED) after each L2 read
