@@ -33,13 +33,18 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = no limit")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_engine_args(p)
+    add_kv_args(p)
+    p.add_argument("--stats", action="store_true", help="print the KV levels' bytes, blocks and traffic to stderr")
+    p.set_defaults(func=_run_generate)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Where and how the model runs (EngineConfig's device, dtype, max_seq_len, num_threads)."""
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--max-seq-len", type=int, default=None, help="context limit in tokens (default: the model's)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    add_kv_args(p)
-    p.add_argument("--stats", action="store_true", help="print the KV levels' bytes, blocks and traffic to stderr")
-    p.set_defaults(func=_run_generate)
 
 
 def add_kv_args(p: argparse.ArgumentParser) -> None:
@@ -61,11 +66,22 @@ def add_kv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk-tokens", type=int, default=None, help="prompt tokens per forward (512)")
     g.add_argument("--selection", choices=["quest", "exact"], default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--prefetch-strategy", choices=["none", "adaptive", "aggressive"], default=None,
+                   help="read predicted-hot L2 blocks ahead of need (none)")
+    g.add_argument("--prefetch-ranker", choices=["predictor", "lru"], default=None, help="what ranks them (predictor)")
+    g.add_argument("--heat-predictor-path", default=None, help="heat-predictor weights (default: the shipped ones)")
+    g.add_argument("--prefetch-budget-mb", type=float, default=None, help="host memory for prefetched L2 blocks (64)")
+    g.add_argument("--record-traces", action="store_const", const=True, default=None,
+                   help="keep every decode step's block choices (for `flashmemory trace`-style analysis)")
+    g.add_argument("--cold-zone-uncached-reads", action="store_const", const=True, default=None,
+                   help="drop L2 reads from the OS page cache (honest disk measurements)")
 
 
 _KV_KNOBS = ("kv_cache", "kv_precision", "max_gpu_memory_mb", "active_window", "warm_tokens",
              "semantic_truncate_threshold", "warm_budget_tokens", "cpu_memory_gb", "cold_zone_enabled",
-             "cold_zone_dir", "cold_zone_gb", "block_size", "prefill_chunk_tokens", "selection", "max_num_seqs")
+             "cold_zone_dir", "cold_zone_gb", "block_size", "prefill_chunk_tokens", "selection", "max_num_seqs",
+             "prefetch_strategy", "prefetch_ranker", "heat_predictor_path", "prefetch_budget_mb", "record_traces",
+             "cold_zone_uncached_reads")
 
 
 def kv_kwargs(args: argparse.Namespace) -> dict:
@@ -204,6 +220,165 @@ def _run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from flashmemory.serve.args import add_serve_args
+
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (same as python -m flashmemory.serve)",
+        description="Serve /v1/completions, /v1/chat/completions (streaming), /v1/models, /tokenize, /detokenize, "
+        "/health and /metrics. Every flag can also be set by a FLASHMEMORY_* environment variable "
+        "(FLASHMEMORY_PORT, FLASHMEMORY_API_KEY, FLASHMEMORY_KV_PRECISION, ...).",
+    )
+    add_serve_args(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from flashmemory.serve.launcher import run_server
+
+    return run_server(args)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="memory, speed and fidelity side by side against transformers' caches and llama.cpp",
+        description="Run FlashMemory's KV configurations and their peers on the same model, text and context "
+        "lengths, interleaved (one process per run, medians); print a markdown table, optionally write JSON and "
+        "PNG charts. Peers whose optional package is missing get a row saying what to install.",
+    )
+    p.add_argument("--model", default=None, help="GGUF or HF folder (default: the embedded SmolLM2; its GGUF feeds "
+                   "llama.cpp, a dequantized safetensors copy FlashMemory and transformers)")
+    p.add_argument("--text", default=None, help="long real text (default: ../shared/data/alice29.txt)")
+    p.add_argument("--lengths", nargs="+", default=None, metavar="TOKENS",
+                   help="context lengths, e.g. 512 2K 8K (default; capped below the model's limit)")
+    p.add_argument("--runs", type=int, default=None, help="interleaved runs per engine and length (3)")
+    p.add_argument("--engines", nargs="+", default=None, metavar="NAME",
+                   help="engine names or families (flashmemory, transformers, llama.cpp); default: all")
+    p.add_argument("--decode-tokens", type=int, default=None, help="greedy tokens decoded after each prompt (32)")
+    p.add_argument("--fidelity-tokens", type=int, default=None,
+                   help="teacher-forced tokens scored at the longest length against the exact cache (128; 0 = off)")
+    p.add_argument("--budget-mb", type=float, default=None,
+                   help="fixed device-KV budget in MiB for the longest-context column (default: an FP16 cache of "
+                   "2048 tokens)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads of every engine (default: the cores "
+                   "available, at most 8)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="model dtype of the torch engines (float32)")
+    p.add_argument("--no-limit-run", dest="verify_limit", action="store_const", const=False, default=None,
+                   help="do not run FlashMemory at the model's limit under the budget (computed only)")
+    p.add_argument("--json", default=None, help="write every run, the medians and the tables here")
+    p.add_argument("--charts-dir", default=None, help="write PNG charts here (needs matplotlib)")
+    p.add_argument("--quick", action="store_true",
+                   help="one short length (512), one run, 8 decode and 16 fidelity tokens: a couple of minutes")
+    p.add_argument("--list-engines", action="store_true", help="list the engines and whether each can run here")
+    p.add_argument("--from-json", default=None, metavar="PATH",
+                   help="measure nothing: print the tables of a saved report again (--charts-dir draws its charts, "
+                   "--json writes it back with the tables recomputed)")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from flashmemory.bench.config import BenchConfig, parse_length
+
+    config = BenchConfig.create(
+        quick=args.quick, model_path=args.model, text_path=Path(args.text) if args.text else None,
+        lengths_tokens=tuple(parse_length(x) for x in args.lengths) if args.lengths else None, num_runs=args.runs,
+        engines=tuple(args.engines) if args.engines else None, decode_tokens=args.decode_tokens,
+        fidelity_tokens=args.fidelity_tokens, budget_mb=args.budget_mb, num_threads=args.threads, dtype=args.dtype,
+        verify_limit=args.verify_limit, json_path=Path(args.json) if args.json else None,
+        charts_dir=Path(args.charts_dir) if args.charts_dir else None,
+    )
+    if args.list_engines:
+        return _list_engines(config)
+    from flashmemory.bench.charts import charts_unavailable_reason, write_charts
+    from flashmemory.bench.report import read_json, to_markdown, write_json
+    from flashmemory.bench.runner import run_bench
+
+    if args.from_json:
+        report = read_json(Path(args.from_json))
+    else:
+        report = run_bench(config, log=lambda m: print(m, file=sys.stderr, flush=True))
+    markdown = to_markdown(report)
+    print(markdown)
+    if config.json_path:  # with --from-json: the same measurements, tables computed by this version
+        write_json(report, config.json_path, markdown)
+        print(f"wrote {config.json_path}", file=sys.stderr)
+    if config.charts_dir:
+        skipped = charts_unavailable_reason()
+        if skipped:
+            print(skipped, file=sys.stderr)
+        else:
+            for path in write_charts(report, config.charts_dir):
+                print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _list_engines(config) -> int:
+    import torch
+
+    from flashmemory.bench.engines import select_engines, unavailable_reason
+
+    for spec in select_engines(config.engines):
+        reason = unavailable_reason(spec, has_gguf=True, cuda_available=torch.cuda.is_available())
+        print(f"{spec.name:22s} {reason or 'available'}  -- {spec.description}")
+    return 0
+
+
+def _add_trace(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("trace", help="record block-selection traces (for the heat predictor) over a text",
+                       description="Prefill windows of a text, decode the following tokens teacher-forced, and save "
+                       "every query-aware block choice (per step, layer, KV head) to an .npz trace.")
+    p.add_argument("text", help="a UTF-8 text file (e.g. ../shared/data/lcet10.txt)")
+    p.add_argument("--out", required=True, help="trace file to write (.npz)")
+    p.add_argument("--context-tokens", type=int, default=8000)
+    p.add_argument("--decode-steps", type=int, default=96)
+    p.add_argument("--windows", type=int, default=1, help="windows taken at evenly spaced offsets of the text")
+    p.add_argument("--model", default=None, help="GGUF file or HF safetensors folder (default: embedded SmolLM2)")
+    add_engine_args(p)
+    add_kv_args(p)
+    p.set_defaults(func=_run_trace)
+
+
+def _run_trace(args: argparse.Namespace) -> int:
+    from flashmemory.engine.engine import FlashMemoryEngine
+    from flashmemory.tools.access_traces import TRACE_KNOBS, read_text, record_trace
+
+    text = read_text(args.text)
+    engine = FlashMemoryEngine(model_path=args.model, device=args.device, dtype=args.dtype,
+                               max_seq_len=args.max_seq_len, num_threads=args.threads,
+                               **{**TRACE_KNOBS, **kv_kwargs(args), "record_traces": True})
+    trace = record_trace(engine, text, args.context_tokens, args.decode_steps, args.windows)
+    trace.save(args.out)
+    engine.close()
+    print(f"wrote {args.out}: {len(trace)} choices", file=sys.stderr)
+    return 0
+
+
+def _add_train_predictor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-predictor", help="train the heat predictor from traces; compare it with LRU",
+                       description="Train the prefetch heat predictor on traces recorded by `flashmemory trace` and "
+                       "report its precision/recall against a recency/LRU ranking on held-out traces.")
+    p.add_argument("traces", nargs="+", help="training traces (.npz)")
+    p.add_argument("--held-out", nargs="+", required=True, help="traces of other texts, for evaluation only")
+    p.add_argument("--out", required=True, help="weights file to write (.npz); use it with heat_predictor_path")
+    p.add_argument("--epochs", type=int, default=3)
+    p.set_defaults(func=_run_train_predictor)
+
+
+def _run_train_predictor(args: argparse.Namespace) -> int:
+    import json
+
+    from flashmemory.tools.access_traces import train_from_traces
+
+    figures = train_from_traces(args.traces, args.held_out, args.out, epochs=args.epochs)
+    print(json.dumps(figures, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashmemory", description="FlashMemory long-context LLM inference")
     parser.add_argument("--log-level", default=os.environ.get("FLASHMEMORY_LOG_LEVEL", "WARNING"),
@@ -211,6 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_eval(sub)
+    _add_bench(sub)
+    _add_serve(sub)
+    _add_trace(sub)
+    _add_train_predictor(sub)
     return parser
 
 
