@@ -57,3 +57,15 @@ def test_nbytes_matches_the_encoded_parts(bits):
     assert codec.nbytes((30, 3), 16, 64) == sum(p.numel() * p.element_size() for p in parts.values())
     shapes = codec.part_shapes((30, 3), 16, 64)
     assert {name: (tuple(p.shape), p.dtype) for name, p in parts.items()} == shapes
+
+
+@pytest.mark.parametrize("bits", [2, 4, 16])
+def test_decode_into_a_slice_of_a_larger_buffer_writes_exactly_there(bits):
+    # Decode steps decode a level's blocks straight into their span of the attention buffer.
+    codec = Codec(bits)
+    parts = codec.encode(torch.randn(3, 5, 16, 64), torch.randn(3, 5, 16, 64))
+    buffer = torch.zeros(2, 3, 200, 64)
+    span = buffer[:, :, 10:90].view(2, 3, 5, 16, 64)
+    codec.decode(parts, torch.float32, out=span)
+    assert torch.equal(span, codec.decode(parts, torch.float32))
+    assert buffer[:, :, :10].abs().sum() == 0 and buffer[:, :, 90:].abs().sum() == 0  # nothing outside the span
