@@ -35,5 +35,10 @@ def select_blocks(q: torch.Tensor, digest: torch.Tensor, budget: int) -> torch.T
     q: [num_heads, head_dim]; digest: [num_kv_heads, num_blocks, 2 * head_dim] (see `key_digest`)
     returns indices into the blocks, [num_kv_heads, budget], ascending
     """
-    chosen = torch.topk(block_scores(q, digest), budget, dim=-1, sorted=False).indices
+    return top_blocks(block_scores(q, digest), budget)
+
+
+def top_blocks(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """The `budget` highest-scoring blocks per KV head: scores [num_kv_heads, num_blocks] -> indices, ascending."""
+    chosen = torch.topk(scores, budget, dim=-1, sorted=False).indices
     return chosen.sort(dim=-1).values

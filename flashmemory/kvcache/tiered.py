@@ -26,7 +26,7 @@ from flashmemory.kvcache.native import DecodeState
 from flashmemory.kvcache.placement import PlacementMixin
 from flashmemory.kvcache.pools import TensorPool
 from flashmemory.kvcache.prefetch import Prefetcher
-from flashmemory.kvcache.selection import block_scores, key_digest, select_blocks
+from flashmemory.kvcache.selection import block_scores, key_digest, select_blocks, top_blocks
 from flashmemory.kvcache.tiered_attention import merge_partials, partial_attention
 from flashmemory.kvcache.tiered_config import KV_DTYPE, TieredCacheConfig, level_codecs
 
@@ -234,8 +234,8 @@ class TieredKVCache(PlacementMixin, KVCache):
         self.selected_blocks[level] += budget
         if not self.choice_observers:
             return select_blocks(q[0], plan.digest[layer], budget)
-        scores = block_scores(q[0], plan.digest[layer])  # [heads, n]; the same choice select_blocks makes
-        chosen = torch.topk(scores, budget, dim=-1, sorted=False).indices.sort(dim=-1).values
+        scores = block_scores(q[0], plan.digest[layer])  # [heads, n]: observers see the scores behind the choice
+        chosen = top_blocks(scores, budget)
         event = make_event(plan.seq_id, plan.position, layer, int(level), plan.indices, scores, chosen, q[0],
                            plan.num_blocks)
         for observer in self.choice_observers:
