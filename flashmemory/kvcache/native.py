@@ -131,8 +131,10 @@ class DecodeState:
         k = k.to(torch.float32).contiguous()
         v = v.to(torch.float32).contiguous()
         if k.shape[1]:
-            self.lib.fm_attend_dense(self.q.data_ptr(), self.heads, self.group, self.dim, k.data_ptr(), v.data_ptr(),
-                                     k.shape[1], self.state.data_ptr())
+            rc = self.lib.fm_attend_dense(self.q.data_ptr(), self.heads, self.group, self.dim, k.data_ptr(),
+                                          v.data_ptr(), k.shape[1], self.state.data_ptr())
+            if rc != 0:
+                raise ValueError(f"head_dim {self.dim} / group {self.group} are outside the decode kernel's limits")
 
     def output(self) -> torch.Tensor:
         """[num_heads, head_dim]: the attention over everything folded in."""
@@ -141,6 +143,7 @@ class DecodeState:
 
 
 def supports(block_size: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode steps of this geometry can use the kernel (CPU, float32 compute, within its limits)."""
+    """Whether decode steps of this geometry can use the kernel (CPU, float32 compute, within its limits; the
+    query group is checked per call, `MAX_GROUP`)."""
     return (device.type == "cpu" and dtype == torch.float32 and block_size <= MAX_BLOCK_TOKENS
-            and head_dim <= MAX_HEAD_DIM and library() is not None)
+            and head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0 and library() is not None)

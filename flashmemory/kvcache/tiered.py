@@ -191,7 +191,7 @@ class TieredKVCache(PlacementMixin, KVCache):
     def _attend_decode(self, layer: int, seq: _Sequence, q, staged, new_k, new_v, decoding: bool) -> torch.Tensor:
         """One query sees every key it is given: write all levels' keys and values into one buffer (decoding
         straight into it) and run a single fused attention — no causal mask, no partial results to merge."""
-        if self._native and q.dtype == torch.float32:
+        if self._native and q.dtype == torch.float32 and q.shape[1] <= native.MAX_GROUP * self.cfg.num_kv_heads:
             return self._attend_decode_native(layer, seq, q, staged, new_k, new_v, decoding)
         heads, head_dim, bs = self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.block_size
         compute = torch.promote_types(q.dtype, torch.float32)

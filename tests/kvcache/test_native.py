@@ -98,3 +98,11 @@ def test_disabled_by_environment(monkeypatch):
         assert native.library() is None
     finally:
         native.library.cache_clear()
+
+
+@needs_kernel
+def test_geometry_outside_the_kernels_limits_is_refused_not_computed():
+    assert not native.supports(16, 60, torch.device("cpu"), torch.float32)  # head_dim not a multiple of 8
+    state = DecodeState(native.library(), torch.randn(40 * 2, 64), 2)  # 40 query heads per KV head > MAX_GROUP
+    with pytest.raises(ValueError, match="limits"):
+        state.add_dense(torch.randn(2, 5, 64), torch.randn(2, 5, 64))
