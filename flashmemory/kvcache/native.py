@@ -1,5 +1,6 @@
-"""The decode-attention kernel of csrc/decode_attention.c: compiled once per machine with the system C compiler,
-loaded through ctypes, and optional — without a compiler (or with FLASHMEMORY_NATIVE=0) the pure-torch path runs.
+"""The native kernels of csrc/ (decode attention, the heat predictor's MLP): compiled once per machine with the
+system C compiler into one library, loaded through ctypes, and optional — without a compiler (or with
+FLASHMEMORY_NATIVE=0) the pure-torch paths run.
 
 The kernel reads INT4 / INT2 / FP16 block records straight from the KV pools and folds them into an online-softmax
 state, so a decode step never writes a float copy of the quantized window (the torch path's main cost on a CPU).
@@ -23,11 +24,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("decode_attention.c", "heat_mlp.c"))
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11")
 MAX_BLOCK_TOKENS = 64  # FM_MAX_TOKENS in the C source
 MAX_HEAD_DIM = 256  # FM_MAX_DIM
 MAX_GROUP = 32  # FM_MAX_GROUP: query heads per KV head
+MLP_MAX_HIDDEN = 64  # FM_MLP_MAX_HIDDEN in heat_mlp.c (hidden sizes must be multiples of 8)
+MLP_MAX_FEATURES = 64  # FM_MLP_MAX_FEATURES
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -52,38 +55,44 @@ def _compile(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES), "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)
         os.replace(built, target)  # atomic: concurrent processes never load a half-written library
 
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (with one log line saying why) when it cannot be used here."""
+    """The compiled kernels, or None (with one log line saying why) when it cannot be used here."""
     if os.environ.get("FLASHMEMORY_NATIVE", "1").lower() in ("0", "false", "no", "off"):
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.info("no C compiler found: decode attention uses the pure-torch path (slower on CPU)")
+        log.info("no C compiler found: decode attention and the heat predictor use the pure-torch paths "
+                 "(slower on CPU)")
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         key = hashlib.sha256(
-            SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode() + _cpu_fingerprint().encode()
+            b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode() + version.encode()
+            + _cpu_fingerprint().encode()
         ).hexdigest()[:16]
-        target = _cache_dir() / f"decode_attention-{key}.so"
+        target = _cache_dir() / f"flashmemory_native-{key}.so"
         if not target.is_file():
             _compile(compiler, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.warning("could not build the decode-attention kernel (%s); using the pure-torch path", detail.strip()[:500])
+        log.warning("could not build the native kernels (%s); using the pure-torch paths", detail.strip()[:500])
         return None
     lib.fm_attend_records.restype = ctypes.c_int
     lib.fm_attend_records.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, _I64, _I64,
                                       _I64, _I64, _I64, _I64, _I64, _I64, _PTR]
     lib.fm_attend_dense.restype = ctypes.c_int
     lib.fm_attend_dense.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR]
+    lib.fm_heat_rank.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    lib.fm_heat_rank.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, f32, _I64, _I64, f32, _I64, f32, _I64,
+                                 _I64, f32, _PTR]
     return lib
 
 

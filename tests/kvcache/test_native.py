@@ -85,7 +85,7 @@ def test_no_compiler_falls_back_to_torch_with_one_log_line(monkeypatch, tmp_path
     try:
         with caplog.at_level(logging.WARNING, logger="flashmemory.kvcache.native"):
             assert native.library() is None
-        assert "pure-torch path" in caplog.text
+        assert "pure-torch paths" in caplog.text
         assert not native.supports(16, 64, torch.device("cpu"), torch.float32)
     finally:
         native.library.cache_clear()
