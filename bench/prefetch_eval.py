@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             pf = None
             if mode != "none":
                 pf = Prefetcher(cache.disk_pool, cache.cfg.num_layers, cache.cfg.num_kv_heads, args.strategy, budget,
-                                cache.disk_slot, ranker=mode, predictor=predictor if mode == "predictor" else None)
+                                ranker=mode, predictor=predictor if mode == "predictor" else None)
             cache.use_prefetcher(pf)
             for _ in range(args.warmup):
                 engine._forward(seq, [ids[pos]])
@@ -92,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
                 hits = after["prefetch_hits"] - before["prefetch_hits"]
                 lookups = hits + after["prefetch_misses"] - before["prefetch_misses"]
                 row.update(hit_rate=hits / max(lookups, 1), lookups=lookups,
+                           prefetched_hits=after["prefetch_hits_prefetched"] - before["prefetch_hits_prefetched"],
+                           late_misses=after["prefetch_late_misses"] - before["prefetch_late_misses"],
                            issued=after["prefetch_issued"] - before["prefetch_issued"],
                            wasted_bytes=after["prefetch_wasted_bytes"] - before["prefetch_wasted_bytes"],
-                           predictor_ms_per_step=after["predictor_ms_per_step"])
+                           predictor_ms_per_step=after["predictor_ms"], ranking_ms_per_step=after["prefetch_ranking_ms"])
                 cache.use_prefetcher(None)
                 pf.close()
             runs[mode].append(row)

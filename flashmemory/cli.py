@@ -72,6 +72,8 @@ def add_kv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefetch-ranker", choices=["predictor", "lru"], default=None, help="what ranks them (predictor)")
     g.add_argument("--heat-predictor-path", default=None, help="heat-predictor weights (default: the shipped ones)")
     g.add_argument("--prefetch-budget-mb", type=float, default=None, help="host memory for prefetched L2 blocks (64)")
+    g.add_argument("--device-staging-mb", type=float, default=None,
+                   help="device memory for L1 blocks copied ahead of need, within --max-gpu-memory-mb (0 = off; GPU)")
     g.add_argument("--record-traces", action="store_const", const=True, default=None,
                    help="keep every decode step's block choices (for `flashmemory trace`-style analysis)")
     g.add_argument("--cold-zone-uncached-reads", action="store_const", const=True, default=None,
@@ -81,8 +83,8 @@ def add_kv_args(p: argparse.ArgumentParser) -> None:
 _KV_KNOBS = ("kv_cache", "kv_precision", "max_gpu_memory_mb", "active_window", "warm_tokens",
              "semantic_truncate_threshold", "warm_budget_tokens", "cpu_memory_gb", "cold_zone_enabled",
              "cold_zone_dir", "cold_zone_gb", "block_size", "prefill_chunk_tokens", "selection", "max_num_seqs",
-             "prefetch_strategy", "prefetch_ranker", "heat_predictor_path", "prefetch_budget_mb", "record_traces",
-             "cold_zone_uncached_reads")
+             "prefetch_strategy", "prefetch_ranker", "heat_predictor_path", "prefetch_budget_mb", "device_staging_mb",
+             "record_traces", "cold_zone_uncached_reads")
 
 
 def kv_kwargs(args: argparse.Namespace) -> dict:
@@ -279,6 +281,7 @@ def _add_train_predictor(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--held-out", nargs="+", required=True, help="traces of other texts, for evaluation only")
     p.add_argument("--out", required=True, help="weights file to write (.npz); use it with heat_predictor_path")
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=16, help="units of each of the two hidden layers (default 16)")
     p.set_defaults(func=_run_train_predictor)
 
 
@@ -287,7 +290,7 @@ def _run_train_predictor(args: argparse.Namespace) -> int:
 
     from flashmemory.tools.access_traces import train_from_traces
 
-    figures = train_from_traces(args.traces, args.held_out, args.out, epochs=args.epochs)
+    figures = train_from_traces(args.traces, args.held_out, args.out, epochs=args.epochs, hidden=args.hidden)
     print(json.dumps(figures, indent=2))
     return 0
 

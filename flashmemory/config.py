@@ -46,6 +46,9 @@ class EngineConfig:
     prefetch_budget_mb: float = 64.0  # host memory for prefetched L2 blocks (the staging area)
     heat_predictor_path: str | None = None  # trained heat-predictor weights (.npz); None = the shipped ones
     cold_zone_uncached_reads: bool = False  # drop L2 pages from the OS page cache after each read (honest disk I/O)
+    # Device memory (counted in max_gpu_memory_mb) for L1 blocks the prefetcher copies ahead of the step that reads
+    # them; 0 = off. For GPU hosts: on a CPU host L1 already is the compute's memory and staging only adds copies.
+    device_staging_mb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype in _DTYPE_ALIASES:
@@ -90,6 +93,11 @@ class EngineConfig:
              f"prefetch_ranker={self.prefetch_ranker!r}: use 'predictor' or 'lru'")
         need(isinstance(self.prefetch_budget_mb, (int, float)) and self.prefetch_budget_mb > 0,
              f"prefetch_budget_mb={self.prefetch_budget_mb!r} must be a positive number (MiB)")
+        need(isinstance(self.device_staging_mb, (int, float)) and self.device_staging_mb >= 0,
+             f"device_staging_mb={self.device_staging_mb!r} must be a number >= 0 (MiB; 0 = off)")
+        need(self.device_staging_mb == 0 or self.prefetch_strategy != "none",
+             f"device_staging_mb={self.device_staging_mb} needs a prefetcher to fill it: set prefetch_strategy to "
+             "'adaptive' or 'aggressive', or device_staging_mb=0")
         bs = self.block_size
         need(bs == "auto" or (isinstance(bs, int) and bs in (8, 16, 32, 64, 128)),
              f"block_size={bs!r}: use 'auto' or one of 8, 16, 32, 64, 128 (tokens)")

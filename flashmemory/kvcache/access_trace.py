@@ -1,10 +1,9 @@
-"""Access traces of query-aware selection and the per-block statistics the heat predictor reads.
+"""Access traces of query-aware selection: what the heat predictor is trained on.
 
 At every decode step, for every layer and level, selection scores a level's candidate blocks against the query and
-chooses the top ones per KV head. `ChoiceEvent` is one such choice; `TraceRecorder` keeps them (and saves them as
-.npz); `AccessStats` folds them, in order, into per-(layer, KV head, block) running statistics and turns those into
-the predictor's feature rows. The same `AccessStats` runs online (prefetch) and offline (training from a trace), so
-the features a model is trained on are the features it is served.
+chooses the top ones per KV head. The cache hands each choice to its observers as a `LayerChoice` (its own tensors,
+no copies); `TraceRecorder` keeps them as `ChoiceEvent`s (numpy) and saves them as .npz; `trace_dataset` replays a
+trace through access_stats.AccessStats, step by step as the prefetcher does online, into (features, labels).
 """
 
 from __future__ import annotations
@@ -16,25 +15,7 @@ import numpy as np
 import torch
 
 from flashmemory.errors import ConfigError
-
-NUM_INTERVALS = 10  # access intervals kept per block for the interval statistics
-FEATURE_NAMES = (
-    "recency_log",  # log1p(steps since last selected) / 5; never selected counts as 64 steps
-    "never_selected",
-    "selected_now",
-    "frequency",  # times selected / times a candidate
-    "ema",  # exponential average of "selected" (0.7 decay per step)
-    "score_rank",  # rank of the block's digest score among the candidates, 0 = best, 1 = worst
-    "score_margin",  # (score - budget-th best score) / std of the scores
-    "position",  # logical block index / number of blocks in the sequence
-    "level",  # 0 = L1, 1 = L2
-    "interval_mean_log",
-    "interval_var_log",
-    "num_intervals",  # intervals recorded / NUM_INTERVALS
-    "query_mean",  # mean of the query heads of this KV head (scaled)
-    "budget_fraction",  # blocks chosen / candidates
-)
-NUM_FEATURES = len(FEATURE_NAMES)
+from flashmemory.kvcache.access_stats import COLUMN, AccessStats, LayerChoice, StepChoices
 
 
 @dataclass
@@ -58,8 +39,14 @@ class TraceRecorder:
     def __init__(self) -> None:
         self.events: list[ChoiceEvent] = []
 
-    def on_choose(self, event: ChoiceEvent) -> None:
-        self.events.append(event)
+    def on_choose(self, choice: LayerChoice) -> None:
+        self.events.append(ChoiceEvent(
+            choice.seq_id, choice.step, choice.layer, choice.level, choice.indices.numpy().astype(np.int32),
+            choice.scores.numpy().astype(np.float16), choice.chosen.numpy().astype(np.int32),
+            choice.query_mean.numpy().astype(np.float32), choice.num_blocks))
+
+    def on_step_end(self, seq_id: int) -> None:
+        pass
 
     def __len__(self) -> int:
         return len(self.events)
@@ -100,107 +87,32 @@ class TraceRecorder:
         return rec
 
 
-class AccessStats:
-    """Owns running selection statistics per (layer, KV head, logical block) of one sequence; emits feature rows."""
-
-    def __init__(self, num_layers: int, num_kv_heads: int) -> None:
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self._capacity = 0
-        self._grow(256)
-
-    def _grow(self, capacity: int) -> None:
-        shape = (self.num_layers, self.num_kv_heads)
-
-        def grown(old: np.ndarray | None, fill: float, dtype, extra: tuple[int, ...] = ()) -> np.ndarray:
-            new = np.full(shape + (capacity,) + extra, fill, dtype=dtype)
-            if old is not None:
-                new[:, :, : old.shape[2]] = old
-            return new
-
-        first = self._capacity == 0
-        self.last_step = grown(None if first else self.last_step, -1, np.int64)
-        self.count = grown(None if first else self.count, 0, np.float32)
-        self.observed = grown(None if first else self.observed, 0, np.float32)
-        self.ema = grown(None if first else self.ema, 0, np.float32)
-        self.intervals = grown(None if first else self.intervals, 0, np.float32, (NUM_INTERVALS,))
-        self.num_intervals = grown(None if first else self.num_intervals, 0, np.int64)
-        self._capacity = capacity
-
-    def update(self, event: ChoiceEvent) -> None:
-        """Fold one choice into the statistics of its layer's candidates."""
-        idx = event.indices.astype(np.int64)
-        if idx.size == 0:
-            return
-        if idx.max() >= self._capacity:
-            self._grow(max(2 * self._capacity, int(idx.max()) + 1))
-        layer = event.layer
-        heads = self.num_kv_heads
-        selected = np.zeros((heads, idx.size), dtype=bool)  # [heads, n]
-        np.put_along_axis(selected, event.chosen.astype(np.int64), True, axis=1)
-        last = self.last_step[layer][:, idx]  # [heads, n]
-        new_interval = selected & (last >= 0)
-        if new_interval.any():
-            h, j = np.nonzero(new_interval)
-            b = idx[j]
-            ring = self.intervals[layer]
-            ring[h, b, 1:] = ring[h, b, :-1]  # newest first
-            ring[h, b, 0] = event.step - last[h, j]
-            self.num_intervals[layer][h, b] = np.minimum(self.num_intervals[layer][h, b] + 1, NUM_INTERVALS)
-        h, j = np.nonzero(selected)
-        self.last_step[layer][h, idx[j]] = event.step
-        self.count[layer][:, idx] += selected
-        self.observed[layer][:, idx] += 1
-        self.ema[layer][:, idx] = 0.7 * self.ema[layer][:, idx] + 0.3 * selected
-
-    def features(self, event: ChoiceEvent) -> np.ndarray:
-        """Feature rows [num_kv_heads, n, NUM_FEATURES] (float32) of the event's candidates, read after `update`."""
-        idx = event.indices.astype(np.int64)
-        layer, step = event.layer, event.step
-        heads, n = self.num_kv_heads, idx.size
-        out = np.empty((heads, n, NUM_FEATURES), dtype=np.float32)
-        last = self.last_step[layer][:, idx]
-        never = last < 0
-        since = np.where(never, 64, step - last)
-        out[..., 0] = np.log1p(since) / 5
-        out[..., 1] = never
-        out[..., 2] = last == step
-        observed = self.observed[layer][:, idx]
-        out[..., 3] = self.count[layer][:, idx] / np.maximum(observed, 1)
-        out[..., 4] = self.ema[layer][:, idx]
-        scores = event.scores.astype(np.float32)  # [heads, n]
-        order = np.argsort(-scores, axis=1, kind="stable")
-        rank = np.empty_like(order)
-        np.put_along_axis(rank, order, np.arange(n)[None, :].repeat(heads, 0), axis=1)
-        out[..., 5] = rank / max(n - 1, 1)
-        budget = event.chosen.shape[1]
-        kth = np.take_along_axis(scores, order[:, min(budget, n) - 1 : min(budget, n)], axis=1)  # [heads, 1]
-        std = scores.std(axis=1, keepdims=True) + 1e-6
-        out[..., 6] = np.clip((scores - kth) / std, -5, 5)
-        out[..., 7] = idx / max(event.num_blocks, 1)
-        out[..., 8] = 1.0 if event.level == 2 else 0.0
-        ring = self.intervals[layer][:, idx]  # [heads, n, NUM_INTERVALS]
-        k = self.num_intervals[layer][:, idx]  # [heads, n]
-        valid = np.arange(NUM_INTERVALS)[None, None, :] < k[..., None]
-        denom = np.maximum(k, 1)
-        mean = (ring * valid).sum(-1) / denom
-        var = (((ring - mean[..., None]) ** 2) * valid).sum(-1) / denom
-        out[..., 9] = np.log1p(mean) / 5
-        out[..., 10] = np.log1p(var) / 10
-        out[..., 11] = k / NUM_INTERVALS
-        out[..., 12] = np.clip(event.query_mean.astype(np.float32)[:, None] * 10, -5, 5)
-        out[..., 13] = budget / max(n, 1)
-        return out
+def _steps(events: list[ChoiceEvent]) -> list[tuple[int, list[ChoiceEvent]]]:
+    """Group a trace into (seq_id, one level's choices of one step), in recording order. A step's choices are
+    recorded together (one forward, layer by layer); a group holds those sharing the step, level and candidates."""
+    groups: list[tuple[int, list[ChoiceEvent]]] = []
+    open_groups: dict[tuple[int, int], list[ChoiceEvent]] = {}  # (level, n) -> group of the current step
+    current: tuple[int, int] | None = None
+    for e in events:
+        if (e.seq_id, e.step) != current:
+            current, open_groups = (e.seq_id, e.step), {}
+        key = (e.level, e.indices.size)
+        group = open_groups.get(key)
+        if group is None or any(x.layer == e.layer for x in group) or not np.array_equal(group[0].indices, e.indices):
+            group = open_groups[key] = []
+            groups.append((e.seq_id, group))
+        group.append(e)
+    return groups
 
 
-def make_event(seq_id: int, step: int, layer: int, level: int, indices: list[int], scores: torch.Tensor,
-               chosen: torch.Tensor, q: torch.Tensor, num_blocks: int) -> ChoiceEvent:
-    """A ChoiceEvent from the cache's tensors: scores [heads, n], chosen [heads, budget], q [num_heads, head_dim]."""
-    heads = scores.shape[0]
-    qmean = q.float().reshape(heads, -1).mean(dim=1)
-    return ChoiceEvent(seq_id, step, layer, level, np.asarray(indices, dtype=np.int32),
-                       scores.detach().float().cpu().numpy().astype(np.float16),
-                       chosen.detach().cpu().numpy().astype(np.int32), qmean.cpu().numpy(), num_blocks)
+def _stacked(group: list[ChoiceEvent]) -> StepChoices:
+    first = group[0]
+    return StepChoices(first.step, first.level, torch.tensor([e.layer for e in group], dtype=torch.int64),
+                       torch.from_numpy(first.indices.astype(np.int64)),
+                       torch.from_numpy(np.stack([e.scores for e in group]).astype(np.float32)),
+                       torch.from_numpy(np.stack([e.chosen for e in group]).astype(np.int64)),
+                       torch.from_numpy(np.stack([e.query_mean for e in group]).astype(np.float32)),
+                       first.num_blocks)
 
 
 def trace_dataset(trace: TraceRecorder, horizon_steps: int = 1, levels: tuple[int, ...] = (2,),
@@ -226,26 +138,28 @@ def trace_dataset(trace: TraceRecorder, horizon_steps: int = 1, levels: tuple[in
     stats: dict[int, AccessStats] = {}
     feats, labels, groups = [], [], []
     group = 0
-    for e in trace.events:
-        st = stats.setdefault(e.seq_id, AccessStats(num_layers, heads))
-        st.update(e)
-        if e.level not in levels or e.step + horizon_steps > last_step[e.seq_id]:
+    for seq_id, events in _steps(trace.events):
+        step = _stacked(events)
+        st = stats.setdefault(seq_id, AccessStats(num_layers, heads))
+        st.update(step)
+        if step.level not in levels or step.step + horizon_steps > last_step[seq_id]:
             continue
-        f = st.features(e)
-        future = [chosen_at.get((e.seq_id, e.step + d, e.layer)) for d in range(1, horizon_steps + 1)]
-        for h in range(heads):
-            wanted = set().union(*(fut[h] for fut in future if fut is not None))
-            feats.append(f[h])
-            labels.append(np.fromiter((i in wanted for i in e.indices.tolist()), dtype=np.float32,
-                                      count=e.indices.size))
-            groups.append(np.full(e.indices.size, group, dtype=np.int64))
-            group += 1
+        f = st.features(step).permute(1, 2, 3, 0).numpy()  # [layers, heads, n, F]
+        ids = events[0].indices.tolist()
+        for li, e in enumerate(events):
+            future = [chosen_at.get((seq_id, e.step + d, e.layer)) for d in range(1, horizon_steps + 1)]
+            for h in range(heads):
+                wanted = set().union(*(fut[h] for fut in future if fut is not None))
+                feats.append(f[li, h])
+                labels.append(np.fromiter((i in wanted for i in ids), dtype=np.float32, count=len(ids)))
+                groups.append(np.full(len(ids), group, dtype=np.int64))
+                group += 1
     if not feats:
         raise ConfigError(f"the trace has no choices on levels {levels} with {horizon_steps} later step(s) recorded")
     return np.concatenate(feats), np.concatenate(labels), np.concatenate(groups)
 
 
-def lru_scores(features: np.ndarray) -> np.ndarray:
-    """The recency/LRU baseline's ranking score from the same feature rows: most recently selected first, then the
-    most often selected (no digest score, no interval statistics)."""
-    return -features[:, FEATURE_NAMES.index("recency_log")] + 1e-3 * features[:, FEATURE_NAMES.index("frequency")]
+def lru_scores(features: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+    """The recency/LRU baseline's ranking score from the same feature rows [..., F]: most recently selected first,
+    then the most often selected (no digest score, no interval statistics)."""
+    return -features[..., COLUMN["recency_log"]] + 1e-3 * features[..., COLUMN["frequency"]]

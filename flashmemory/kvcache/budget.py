@@ -26,6 +26,7 @@ class DevicePlan:
     staging_bytes: int
     slot_bytes: int  # one L0 block of every layer
     device_slots: int
+    device_staging_bytes: int = 0  # L1 blocks copied ahead of need (device_staging_mb)
 
 
 def workspace_bytes(cfg: ModelConfig, chunk_tokens: int, attended_tokens: int, elem: int) -> int:
@@ -50,13 +51,15 @@ def plan_device(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights_bytes:
     window_slots = engine_cfg.active_window // block_size + 1  # + the attention-sink block
     attended = engine_cfg.active_window + engine_cfg.warm_budget_tokens + block_size
     workspace = workspace_bytes(model_cfg, engine_cfg.prefill_chunk_tokens, attended, elem)
+    device_staging = int(engine_cfg.device_staging_mb * MIB)
     if engine_cfg.max_gpu_memory_mb is None:
-        return DevicePlan(weights_bytes, workspace, staging, slot_bytes, engine_cfg.max_num_seqs * window_slots)
+        return DevicePlan(weights_bytes, workspace, staging, slot_bytes, engine_cfg.max_num_seqs * window_slots,
+                          device_staging)
     budget = engine_cfg.max_gpu_memory_mb * MIB
-    free_for_kv = budget - weights_bytes - workspace - staging
+    free_for_kv = budget - weights_bytes - workspace - staging - device_staging
     slots = free_for_kv // slot_bytes if free_for_kv > 0 else 0
     if slots < window_slots:
-        needed = weights_bytes + workspace + staging + window_slots * slot_bytes
+        needed = weights_bytes + workspace + staging + device_staging + window_slots * slot_bytes
         fp16_per_token = model_cfg.kv_bytes_per_token(2)
         exact_fit = max(0, (budget - weights_bytes - workspace) // fp16_per_token)
         max_window = max(0, (slots - 1) * block_size) if slots > 1 else 0
@@ -64,14 +67,15 @@ def plan_device(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights_bytes:
             f"max_gpu_memory_mb={engine_cfg.max_gpu_memory_mb} is too small: the weights need "
             f"{weights_bytes / MIB:.0f} MiB, the activation workspace for prefill_chunk_tokens="
             f"{engine_cfg.prefill_chunk_tokens} about {workspace / MIB:.0f} MiB, the newest blocks of "
-            f"max_num_seqs={engine_cfg.max_num_seqs} sequences {staging / MIB:.1f} MiB and the hot KV window "
+            f"max_num_seqs={engine_cfg.max_num_seqs} sequences {staging / MIB:.1f} MiB, the device staging area "
+            f"(device_staging_mb) {device_staging / MIB:.1f} MiB and the hot KV window "
             f"(active_window={engine_cfg.active_window}, kv_precision={engine_cfg.kv_precision}) "
             f"{window_slots * slot_bytes / MIB:.1f} MiB: {needed / MIB:.0f} MiB in all. "
             f"The largest active_window that fits is {max_window} tokens (an exact FP16 cache would fit "
             f"{exact_fit} tokens of context). Raise max_gpu_memory_mb to at least {-(-needed // MIB)}, or lower "
-            "active_window, prefill_chunk_tokens or max_num_seqs."
+            "active_window, prefill_chunk_tokens, max_num_seqs or device_staging_mb."
         )
-    return DevicePlan(weights_bytes, workspace, staging, slot_bytes, int(slots))
+    return DevicePlan(weights_bytes, workspace, staging, slot_bytes, int(slots), device_staging)
 
 
 def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: DevicePlan, block_size: int,
@@ -106,6 +110,7 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
         prefetch_budget_bytes=int(engine_cfg.prefetch_budget_mb * MIB),
         heat_predictor_path=engine_cfg.heat_predictor_path,
         cold_zone_uncached_reads=engine_cfg.cold_zone_uncached_reads,
+        device_staging_bytes=plan.device_staging_bytes,
     )
 
 

@@ -46,6 +46,9 @@ class TensorPool:
         self.storage = torch.empty((num_layers, num_kv_heads, num_slots, offset), dtype=torch.uint8, device=device,
                                    pin_memory=pin_memory)
         self.bytes_per_slot = num_layers * num_kv_heads * offset
+        # Bumped by put() before it writes a slot: a copy of a slot's bytes (device staging) is served only while
+        # the slot's generation is the one the copy was issued under. On the CPU whatever the pool's device.
+        self.generation = torch.zeros(num_slots, dtype=torch.int64)
 
     @property
     def capacity_bytes(self) -> int:
@@ -69,6 +72,7 @@ class TensorPool:
 
     def put(self, slot: int, parts: Parts) -> None:
         """Store an encoded block (parts shaped [num_layers, num_kv_heads, ...]) in `slot`."""
+        self.generation[slot] += 1  # before the write: a copy racing with it is never served
         record = self.storage[:, :, slot]  # [L, heads, record_bytes]
         for name, tensor in parts.items():
             off, size, _, dtype = self.layout[name]

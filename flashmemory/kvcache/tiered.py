@@ -8,6 +8,7 @@ block (never quantized), and the blocks of L1 and L2 that query-aware selection 
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -16,9 +17,11 @@ import torch
 
 from flashmemory.errors import CapacityError
 from flashmemory.kvcache import native
-from flashmemory.kvcache.access_trace import ChoiceEvent, TraceRecorder, make_event
+from flashmemory.kvcache.access_stats import LayerChoice
+from flashmemory.kvcache.access_trace import TraceRecorder
 from flashmemory.kvcache.attention import causal_attention
 from flashmemory.kvcache.blocks import BlockManager, Level
+from flashmemory.kvcache.device_staging import DeviceStaging
 from flashmemory.kvcache.disk_pool import DiskPool
 from flashmemory.kvcache.heat_predictor import HeatPredictor
 from flashmemory.kvcache.interface import ForwardBatch, KVCache, SequenceSlice
@@ -30,6 +33,8 @@ from flashmemory.kvcache.selection import block_scores, key_digest, select_block
 from flashmemory.kvcache.tiered_attention import merge_partials, partial_attention
 from flashmemory.kvcache.tiered_config import KV_DTYPE, TieredCacheConfig, level_codecs
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class _LevelPlan:
@@ -37,11 +42,12 @@ class _LevelPlan:
 
     indices: list[int]  # logical block indices whose primary copy is on the level, in order
     slots: list[int]
-    slot_tensor: torch.Tensor | None  # slots on the pool's device (in-memory pools)
+    slot_tensor: torch.Tensor  # int64 slots on the pool's device (L2: on the CPU)
     digest: torch.Tensor | None  # [num_layers, num_kv_heads, blocks, 2 * head_dim] for selection (a view if contiguous)
     seq_id: int = -1
     position: int = 0  # the sequence's tokens before this forward (the decode step's clock)
     num_blocks: int = 0  # full blocks of the sequence
+    index_tensor: torch.Tensor | None = None  # `indices` as a CPU int64 tensor (made once, for choice observers)
 
 
 @dataclass
@@ -56,9 +62,11 @@ class _Sequence:
 
 
 class ChoiceObserver(Protocol):
-    """Told of every query-aware choice a decode step makes (see access_trace.ChoiceEvent)."""
+    """Told of every query-aware choice a decode step makes, and of the step's end (all layers read)."""
 
-    def on_choose(self, event: ChoiceEvent) -> None: ...
+    def on_choose(self, choice: LayerChoice) -> None: ...
+
+    def on_step_end(self, seq_id: int) -> None: ...
 
 
 class TieredKVCache(PlacementMixin, KVCache):
@@ -96,13 +104,20 @@ class TieredKVCache(PlacementMixin, KVCache):
             self.trace = TraceRecorder()
             self.choice_observers.append(self.trace)
         self.prefetcher: Prefetcher | None = None
+        # L1 blocks copied to the device ahead of the decode step that reads them (GPU hosts; the torch decode path).
+        self.device_staging: DeviceStaging | None = None
+        if cfg.device_staging_bytes > 0:
+            if cfg.device.type == "cpu":
+                log.warning("device_staging_mb on a CPU host: L1 already is the compute's memory, staging only adds "
+                            "copies (and the decode kernel reads L1 in place)")
+            self.device_staging = DeviceStaging(self.host_pool, cfg.device, cfg.device_staging_bytes)
         if self.disk_pool is not None:
             self.disk_pool.set_uncached_reads(cfg.cold_zone_uncached_reads)
-            if cfg.prefetch_strategy != "none":
-                predictor = HeatPredictor.load(cfg.heat_predictor_path) if cfg.prefetch_ranker == "predictor" else None
-                self.use_prefetcher(Prefetcher(self.disk_pool, cfg.num_layers, cfg.num_kv_heads, cfg.prefetch_strategy,
-                                               cfg.prefetch_budget_bytes, self.disk_slot, cfg.prefetch_ranker,
-                                               predictor))
+        if cfg.prefetch_strategy != "none" and (self.disk_pool is not None or self.device_staging is not None):
+            predictor = HeatPredictor.load(cfg.heat_predictor_path) if cfg.prefetch_ranker == "predictor" else None
+            self.use_prefetcher(Prefetcher(self.disk_pool, cfg.num_layers, cfg.num_kv_heads, cfg.prefetch_strategy,
+                                           cfg.prefetch_budget_bytes, cfg.prefetch_ranker, predictor,
+                                           device_staging=self.device_staging))
 
     def use_prefetcher(self, prefetcher: Prefetcher | None) -> Prefetcher | None:
         """Swap the L2 prefetcher (None: read L2 on demand only); returns the previous one, still open."""
@@ -113,13 +128,6 @@ class TieredKVCache(PlacementMixin, KVCache):
         if prefetcher is not None:
             self.choice_observers.append(prefetcher)
         return previous
-
-    def disk_slot(self, seq_id: int, index: int) -> int | None:
-        """The L2 slot of a sequence's logical block, if it has one (for the prefetcher)."""
-        table = self.blocks.tables.get(seq_id)
-        if table is None or index >= len(table.blocks):
-            return None
-        return table.blocks[index].slots.get(Level.DISK)
 
     def _pool(self, level: Level) -> TensorPool:
         """The in-memory pool of L0 or L1."""
@@ -236,10 +244,14 @@ class TieredKVCache(PlacementMixin, KVCache):
             return select_blocks(q[0], plan.digest[layer], budget)
         scores = block_scores(q[0], plan.digest[layer])  # [heads, n]: observers see the scores behind the choice
         chosen = top_blocks(scores, budget)
-        event = make_event(plan.seq_id, plan.position, layer, int(level), plan.indices, scores, chosen, q[0],
-                           plan.num_blocks)
+        heads = scores.shape[0]
+        if plan.index_tensor is None:
+            plan.index_tensor = torch.as_tensor(plan.indices, dtype=torch.int64)
+        choice = LayerChoice(plan.seq_id, plan.position, layer, int(level), plan.index_tensor, scores.float().cpu(),
+                             chosen.cpu(), q[0].float().reshape(heads, -1).mean(dim=1).cpu(), plan.num_blocks,
+                             plan.slot_tensor.cpu())
         for observer in self.choice_observers:
-            observer.on_choose(event)
+            observer.on_choose(choice)
         return chosen
 
     def _plan(self, seq_id: int, with_digest: bool) -> dict[Level, _LevelPlan]:
@@ -252,9 +264,8 @@ class TieredKVCache(PlacementMixin, KVCache):
             if not indices:
                 continue
             slots = [table.blocks[i].slots[level] for i in indices]
-            slot_tensor = None
-            if level != Level.DISK:
-                slot_tensor = torch.as_tensor(slots, device=self._pool(level).device)
+            device = self._pool(level).device if level != Level.DISK else torch.device("cpu")
+            slot_tensor = torch.as_tensor(slots, dtype=torch.int64, device=device)
             digest = None
             if with_digest and level != Level.DEVICE:
                 contiguous = indices[-1] - indices[0] + 1 == len(indices)  # the usual case: one run of blocks
@@ -284,9 +295,14 @@ class TieredKVCache(PlacementMixin, KVCache):
             out = torch.empty((2, heads, count * bs, head_dim), dtype=compute, device=self.cfg.device)
         blocks_out = out.view(2, heads, count, bs, head_dim)
         if chosen is not None and level != Level.DISK and codec.bits == 16:
-            # Unquantized pool: gather each KV head's own blocks straight from storage, in one index_select.
+            # Unquantized pool: gather each KV head's own blocks straight from storage, in one index_select (L1
+            # blocks staged on the device ahead of need come from the staging area).
             pool = self._pool(level)
-            parts = pool.get_layer_per_head(plan.slot_tensor[chosen.to(pool.device)], layer)
+            slots = plan.slot_tensor[chosen.to(pool.device)]
+            if level == Level.HOST and self.device_staging is not None:
+                parts = self.device_staging.gather_parts(layer, slots)
+            else:
+                parts = pool.get_layer_per_head(slots, layer)
             codec.decode({name: t.to(self.cfg.device) for name, t in parts.items()}, compute, out=blocks_out)
             return out
         if chosen is None:
@@ -298,7 +314,7 @@ class TieredKVCache(PlacementMixin, KVCache):
             assert self.disk_pool is not None
             slots = plan.slots if needed is None else [plan.slots[i] for i in needed.tolist()]
             if self.prefetcher is not None:
-                read = self.prefetcher.get_layer(slots, layer, plan.seq_id)
+                read = self.prefetcher.get_layer(slots, layer, plan.seq_id, decoding=chosen is not None)
             else:
                 read = self.disk_pool.get_layer(slots, layer)
             parts = {name: t.transpose(0, 1) for name, t in read.items()}
@@ -319,6 +335,9 @@ class TieredKVCache(PlacementMixin, KVCache):
     def commit(self, batch: ForwardBatch) -> None:
         for s in batch.slices:
             self._commit_one(s)
+            if s.num_new_tokens == 1:
+                for observer in self.choice_observers:
+                    observer.on_step_end(s.seq_id)
 
     def _commit_one(self, s: SequenceSlice) -> None:
         seq = self.seqs[s.seq_id]
@@ -379,13 +398,16 @@ class TieredKVCache(PlacementMixin, KVCache):
     # ---- reporting --------------------------------------------------------------------------------------------
 
     def device_bytes_used(self) -> int:
-        """Bytes of KV held in device memory now: L0 slots in use plus the staging blocks of live sequences."""
+        """Bytes of KV held in device memory now: L0 slots in use, the staging blocks of live sequences and the L1
+        blocks staged on the device ahead of need."""
         staging = self.staging[0].numel() * self.staging.element_size()
         used = self.blocks.allocators[Level.DEVICE].num_used * self.device_pool.bytes_per_slot
-        return used + staging * len(self.seqs)
+        ahead = self.device_staging.stats()["device_staging_bytes"] if self.device_staging is not None else 0
+        return int(used + staging * len(self.seqs) + ahead)
 
     def device_bytes_capacity(self) -> int:
-        return self.device_pool.capacity_bytes + self.staging.numel() * self.staging.element_size()
+        ahead = self.device_staging.area.numel() if self.device_staging is not None else 0
+        return self.device_pool.capacity_bytes + self.staging.numel() * self.staging.element_size() + ahead
 
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {
@@ -414,10 +436,14 @@ class TieredKVCache(PlacementMixin, KVCache):
                 out[f"L2_load_failures_{reason}"] = n
         if self.prefetcher is not None:
             out.update(self.prefetcher.stats())
+        if self.device_staging is not None:
+            out.update(self.device_staging.stats())
         return out
 
     def close(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()
+        if self.device_staging is not None:
+            self.device_staging.close()
         if self.disk_pool is not None:
             self.disk_pool.close()

@@ -49,3 +49,4 @@ class TieredCacheConfig:
     prefetch_budget_bytes: int = 64 * 2**20  # host bytes of staged (prefetched) L2 segments
     heat_predictor_path: str | None = None  # None = the weights shipped in the package
     cold_zone_uncached_reads: bool = False  # posix_fadvise(DONTNEED) after each L2 read
+    device_staging_bytes: int = 0  # device area for L1 blocks copied ahead of need (0 = off; device_staging.py)

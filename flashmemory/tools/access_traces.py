@@ -52,16 +52,17 @@ def read_text(path: str | Path) -> str:
 
 
 def train_from_traces(train_paths: list[str], held_out_paths: list[str], out: str | Path, epochs: int = 3,
-                      horizon_steps: int = 1, seed: int = 0) -> dict[str, float]:
-    """Train the heat predictor on `train_paths`, save it to `out`, and compare it with the recency/LRU baseline on
-    the held-out traces (other texts). Returns the figures."""
+                      horizon_steps: int = 1, seed: int = 0, hidden: int = 16) -> dict[str, float]:
+    """Train the heat predictor on `train_paths` (choices on L1 and L2: it ranks both, for device staging and for
+    L2 prefetch), save it to `out`, and compare it with the recency/LRU baseline on the held-out traces (other
+    texts), per level. Returns the figures."""
     import numpy as np
 
     from flashmemory.kvcache.access_trace import trace_dataset
     from flashmemory.kvcache.heat_predictor import compare_with_lru, train_heat_predictor
 
-    def dataset(paths: list[str]):
-        parts = [trace_dataset(TraceRecorder.load(p), horizon_steps) for p in paths]
+    def dataset(paths: list[str], levels: tuple[int, ...]):
+        parts = [trace_dataset(TraceRecorder.load(p), horizon_steps, levels) for p in paths]
         offset, xs, ys, gs = 0, [], [], []
         for x, y, g in parts:
             xs.append(x)
@@ -72,11 +73,16 @@ def train_from_traces(train_paths: list[str], held_out_paths: list[str], out: st
 
     if not train_paths or not held_out_paths:
         raise ConfigError("give at least one training trace and one held-out trace (recorded on another text)")
-    x, y, _ = dataset(train_paths)
-    predictor = train_heat_predictor(x, y, epochs=epochs, seed=seed)
+    x, y, _ = dataset(train_paths, (1, 2))
+    predictor = train_heat_predictor(x, y, epochs=epochs, seed=seed, hidden=hidden)
     predictor.save(out)
-    hx, hy, hg = dataset(held_out_paths)
-    figures = compare_with_lru(predictor, hx, hy, hg)
+    hx, hy, hg = dataset(held_out_paths, (2,))
+    figures = compare_with_lru(predictor, hx, hy, hg)  # L2: what prefetch from disk ranks
+    try:
+        l1 = compare_with_lru(predictor, *dataset(held_out_paths, (1,)))
+        figures.update({f"L1_{k}": v for k, v in l1.items() if "precision" in k or "recall" in k})
+    except ConfigError:
+        pass  # the held-out traces have no L1 choices
     figures.update({"num_parameters": predictor.num_parameters, "train_rows": len(x), "held_out_rows": len(hx),
                     "train_positive_fraction": float(y.mean())})
     return figures

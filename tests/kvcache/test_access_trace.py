@@ -8,15 +8,8 @@ import torch
 
 from flashmemory import FlashMemoryEngine
 from flashmemory.errors import ConfigError
-from flashmemory.kvcache.access_trace import (
-    FEATURE_NAMES,
-    NUM_FEATURES,
-    AccessStats,
-    ChoiceEvent,
-    TraceRecorder,
-    lru_scores,
-    trace_dataset,
-)
+from flashmemory.kvcache.access_stats import FEATURE_NAMES, NUM_FEATURES, AccessStats, StepChoices
+from flashmemory.kvcache.access_trace import ChoiceEvent, TraceRecorder, lru_scores, trace_dataset
 
 LEVELS = dict(block_size=8, active_window=16, warm_tokens=16, prefill_chunk_tokens=32, cpu_memory_gb=0.01,
               cold_zone_gb=0.01, semantic_truncate_threshold=0.3, warm_budget_tokens=8)
@@ -73,12 +66,18 @@ def _event(step: int, chosen: list[int], n: int = 6) -> ChoiceEvent:
                        np.zeros(1, np.float32), n + 4)
 
 
+def _step(event: ChoiceEvent) -> StepChoices:
+    return StepChoices(event.step, event.level, torch.tensor([event.layer]), torch.from_numpy(event.indices).long(),
+                       torch.from_numpy(event.scores[None]).float(), torch.from_numpy(event.chosen[None]).long(),
+                       torch.from_numpy(event.query_mean[None]), event.num_blocks)
+
+
 def test_features_follow_selection_history():
     stats = AccessStats(num_layers=1, num_kv_heads=1)
     for step, chosen in [(10, [0, 1]), (12, [0, 2]), (13, [0, 1])]:
-        event = _event(step, chosen)
-        stats.update(event)
-    f = stats.features(event)
+        step_choices = _step(_event(step, chosen))
+        stats.update(step_choices)
+    f = stats.features(step_choices).permute(1, 2, 3, 0)[0].numpy()
     assert f.shape == (1, 6, NUM_FEATURES)
     col = {name: i for i, name in enumerate(FEATURE_NAMES)}
     assert f[0, 0, col["selected_now"]] == 1 and f[0, 3, col["never_selected"]] == 1
@@ -94,7 +93,7 @@ def test_features_follow_selection_history():
 def test_dataset_labels_are_the_next_steps_choices():
     trace = TraceRecorder()
     for step, chosen in [(0, [0, 1]), (1, [1, 2]), (2, [2, 3])]:
-        trace.on_choose(_event(step, chosen))
+        trace.events.append(_event(step, chosen))
     x, y, group = trace_dataset(trace, horizon_steps=1)
     assert x.shape == (12, NUM_FEATURES)  # steps 0 and 1 have a recorded future, 6 candidates each
     assert y[:6].tolist() == [0, 1, 1, 0, 0, 0] and y[6:].tolist() == [0, 0, 1, 1, 0, 0]
@@ -108,3 +107,37 @@ def test_empty_or_unreadable_trace_is_a_config_error(tmp_path):
     bad.write_bytes(b"not a trace")
     with pytest.raises(ConfigError, match="cannot read access trace"):
         TraceRecorder.load(bad)
+
+
+def test_statistics_are_the_same_through_views_and_through_gathers():
+    """A step whose candidates are one run of blocks in every layer is read and written through slice views; any
+    other (a subset of layers, gaps between blocks) through gathers. Both give the same features."""
+    rng = np.random.default_rng(5)
+    layers, heads, n, budget = 3, 2, 12, 4
+    fast, gathered = AccessStats(layers, heads), AccessStats(layers, heads)
+    ids = torch.arange(20, 20 + n)
+    picked_at: dict[int, list[int]] = {j: [] for j in range(n)}  # layer 0, head 0: the steps each block was chosen
+    for step in range(30):
+        scores = torch.from_numpy(rng.random((layers, heads, n)).astype(np.float32))
+        chosen = scores.topk(budget, dim=-1).indices
+        for j in chosen[0, 0].tolist():
+            picked_at[j].append(step)
+        step_choices = StepChoices(step, 2, torch.arange(layers), ids, scores, chosen, torch.zeros(layers, heads), 40)
+        fast.update(step_choices)
+        for layer in range(layers):  # one layer at a time: the gather path
+            one = StepChoices(step, 2, torch.tensor([layer]), ids, scores[layer : layer + 1],
+                              chosen[layer : layer + 1], torch.zeros(1, heads), 40)
+            gathered.update(one)
+    assert isinstance(fast._cells(step_choices)[2], slice) and not isinstance(gathered._cells(one)[2], slice)
+    both = torch.cat([gathered.features(StepChoices(step, 2, torch.tensor([layer]), ids, scores[layer : layer + 1],
+                                                    chosen[layer : layer + 1], torch.zeros(1, heads), 40))
+                      for layer in range(layers)], dim=1)
+    assert torch.allclose(fast.features(step_choices), both)
+    col = {name: i for i, name in enumerate(FEATURE_NAMES)}
+    f = fast.features(step_choices)
+    assert f[col["num_intervals"]].max() == 1.0  # the interval ring wrapped around
+    for j, steps in picked_at.items():  # mean and variance of the last NUM_INTERVALS intervals, computed plainly
+        intervals = np.diff(steps)[-10:]
+        if len(intervals):
+            assert f[col["interval_mean_log"], 0, 0, j] == pytest.approx(np.log1p(intervals.mean()) / 5, abs=1e-6)
+            assert f[col["interval_var_log"], 0, 0, j] == pytest.approx(np.log1p(intervals.var()) / 10, abs=1e-5)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 
 from flashmemory import FlashMemoryEngine
 from flashmemory.errors import ConfigError
-from flashmemory.kvcache.access_trace import FEATURE_NAMES, ChoiceEvent
+from flashmemory.kvcache.access_stats import FEATURE_NAMES, LayerChoice
 from flashmemory.kvcache.disk_pool import DiskPool
 from flashmemory.kvcache.prefetch import Prefetcher
 from flashmemory.kvcache.quant import Codec
@@ -36,21 +35,21 @@ class _LowestFirst:
 
     flipped = False
 
-    def logits(self, features: np.ndarray) -> np.ndarray:
-        position = features[:, FEATURE_NAMES.index("position")]
+    def rank(self, features: torch.Tensor) -> torch.Tensor:
+        position = features[FEATURE_NAMES.index("position")]
         return position if self.flipped else -position
 
 
 def _prefetcher(pool, ranker=None, threads=2) -> Prefetcher:
-    return Prefetcher(pool, LAYERS, HEADS, "adaptive", budget_bytes=1 << 20, slot_of=lambda seq, i: i,
-                      ranker="predictor", predictor=ranker or _LowestFirst(), num_threads=threads)
+    return Prefetcher(pool, LAYERS, HEADS, "adaptive", budget_bytes=1 << 20, ranker="predictor", predictor=ranker or _LowestFirst(), num_threads=threads)
 
 
 def _choose(pf: Prefetcher, step: int, layer: int, chosen: list[list[int]]) -> None:
-    """Tell the prefetcher that `layer` chose these blocks (per head) among all SLOTS blocks at `step`."""
-    scores = np.zeros((HEADS, SLOTS), np.float16)
-    pf.on_choose(ChoiceEvent(0, step, layer, 2, np.arange(SLOTS, dtype=np.int32), scores,
-                             np.array(chosen, dtype=np.int32), np.zeros(HEADS, np.float32), SLOTS + 4))
+    """Tell the prefetcher that `layer` chose these blocks (per head) among all SLOTS blocks at `step` (logical
+    block i lives in L2 slot i)."""
+    ids = torch.arange(SLOTS)
+    pf.on_choose(LayerChoice(0, step, layer, 2, ids, torch.zeros(HEADS, SLOTS), torch.tensor(chosen),
+                             torch.zeros(HEADS), SLOTS + 4, ids))
 
 
 def _wait_idle(pf: Prefetcher, seconds: float = 5.0) -> None:
@@ -70,10 +69,12 @@ def test_prefetched_segments_are_byte_identical_to_direct_reads_and_counted(pool
     try:
         _choose(pf, 10, 1, [[1, 4], [2, 4]])  # the ranker wants {0, 1} for the next step
         pf.get_layer([1, 2, 4], 1, seq_id=0)  # this step's read: all from disk
+        pf.on_step_end(0)  # ranked: 0 and 1 wanted; 1 stays staged (read-through), 2 and 4 are dropped
         _wait_idle(pf)
         assert pf.counters["prefetch_issued"] == 1 and pf.counters["prefetch_completed"] == 1  # 1 is staged already
         _choose(pf, 11, 1, [[0, 1], [0, 5]])
         got = pf.get_layer([0, 1, 5], 1, seq_id=0)
+        pf.on_step_end(0)
         want = pool.get_layer([0, 1, 5], 1)
         for name in want:
             assert torch.equal(got[name], want[name])
@@ -82,12 +83,14 @@ def test_prefetched_segments_are_byte_identical_to_direct_reads_and_counted(pool
         assert stats["prefetch_hit_rate"] == pytest.approx(2 / 6) and stats["predictor_ms"] > 0
         ranker.flipped = True
         _choose(pf, 12, 1, [[2, 3], [2, 3]])
-        pf.get_layer([2, 3], 1, seq_id=0)  # then {6, 7} are wanted and read ahead
+        pf.get_layer([2, 3], 1, seq_id=0)
+        pf.on_step_end(0)  # then {6, 7} are wanted and read ahead
         _wait_idle(pf)
         assert pf.stats()["prefetch_wasted_bytes"] == 0  # the prefetched segment of 0 had been used
         ranker.flipped = False
         _choose(pf, 13, 1, [[3], [3]])
         pf.get_layer([3], 1, seq_id=0)
+        pf.on_step_end(0)
         _wait_idle(pf)
         assert pf.stats()["prefetch_wasted_bytes"] == 2 * pool.segment_bytes  # 6 and 7 were never read
     finally:
@@ -108,12 +111,14 @@ def test_segment_being_read_is_never_served_and_a_rewritten_slot_is_never_stale(
     monkeypatch.setattr(pool, "read_segment", slow)
     try:
         _choose(pf, 5, 0, [[2], [2]])
-        pf.get_layer([2], 0, seq_id=0)  # then block 0 is wanted: the (slow) prefetch read starts
+        pf.get_layer([2], 0, seq_id=0)
+        pf.on_step_end(0)  # then block 0 is wanted: the (slow) prefetch read starts
         assert started.wait(5)
         _choose(pf, 6, 0, [[0], [0]])
         before = pf.get_layer([0], 0, seq_id=0)  # in flight: the step reads slot 0 itself, never a partial copy
-        assert pf.counters["prefetch_hits"] == 0
+        assert pf.counters["prefetch_hits"] == 0 and pf.counters["prefetch_late_misses"] == 1
         assert torch.equal(before["codes"], real_layer(pool, 0)["codes"])
+        pf.on_step_end(0)
         g = torch.Generator().manual_seed(99)
         new = pool.codec.encode(torch.randn(LAYERS, HEADS, BS, DIM, generator=g),
                                 torch.randn(LAYERS, HEADS, BS, DIM, generator=g))
@@ -137,9 +142,9 @@ def real_layer(pool, slot):
 
 def test_prefetcher_rejects_an_unknown_strategy(pool):
     with pytest.raises(ConfigError, match="prefetch_strategy"):
-        Prefetcher(pool, LAYERS, HEADS, "none", 1 << 20, lambda s, i: i, ranker="lru")
+        Prefetcher(pool, LAYERS, HEADS, "none", 1 << 20, ranker="lru")
     with pytest.raises(ConfigError, match="prefetch_ranker"):
-        Prefetcher(pool, LAYERS, HEADS, "adaptive", 1 << 20, lambda s, i: i, ranker="magic")
+        Prefetcher(pool, LAYERS, HEADS, "adaptive", 1 << 20, ranker="magic")
 
 
 def test_engine_output_is_identical_with_prefetch_and_stats_move(tiny_llama):

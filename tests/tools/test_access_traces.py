@@ -29,8 +29,8 @@ def _trace(seed: int) -> TraceRecorder:
     for step in range(60):
         scores = 0.7 * scores + 0.3 * rng.random((1, 12))
         chosen = np.sort(np.argsort(-scores, axis=1)[:, :3], axis=1).astype(np.int32)
-        trace.on_choose(ChoiceEvent(0, step, 0, 2, np.arange(12, dtype=np.int32), scores.astype(np.float16), chosen,
-                                    np.zeros(1, np.float32), 16))
+        trace.events.append(ChoiceEvent(0, step, 0, 2, np.arange(12, dtype=np.int32), scores.astype(np.float16), chosen,
+                                        np.zeros(1, np.float32), 16))
     return trace
 
 
