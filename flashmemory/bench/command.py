@@ -23,7 +23,9 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
                    help="context lengths, e.g. 512 2K 8K (default; capped below the model's limit)")
     p.add_argument("--runs", type=int, default=None, help="interleaved runs per engine and length (3)")
     p.add_argument("--engines", nargs="+", default=None, metavar="NAME",
-                   help="engine names or families (flashmemory, transformers, llama.cpp); default: all")
+                   help="engine names or families (flashmemory, transformers, llama.cpp); default: all but the "
+                   "named-only ones (fm-contiguous, and the prefetch comparison fm-mixed-disk, fm-mixed-prefetch, "
+                   "fm-mixed-prefetch-lru: name them to run them; a family means its default ones)")
     p.add_argument("--decode-tokens", type=int, default=None, help="greedy tokens decoded after each prompt (32)")
     p.add_argument("--fidelity-tokens", type=int, default=None,
                    help="teacher-forced tokens scored at the longest length against the exact cache (128; 0 = off)")

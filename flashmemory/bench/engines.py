@@ -29,6 +29,9 @@ class EngineSpec:
     needs_cuda: bool = False
     budgeted: bool = False  # FlashMemory under a device budget too small for an FP16 cache of the length
     in_default_set: bool = True  # run when no engine is named (False: only when named)
+    # FlashMemory with about this fraction of each prompt's KV on the disk level (L2): window and warm span sized
+    # per length (disk_tier.py); 0 = the settings as given.
+    disk_fraction: float = 0.0
 
 
 REFERENCE_ENGINE = "fm-exact"  # the exact cache every torch engine's fidelity is measured against
@@ -36,6 +39,12 @@ REFERENCE_ENGINE = "fm-exact"  # the exact cache every torch engine's fidelity i
 # FlashMemory engines serve one sequence here (max_num_seqs=1), so the device arena is sized for one, as the
 # peers' caches are.
 _FM_COMMON = {"max_num_seqs": 1}
+# The disk engines: half of each prompt's KV on L2, every L2 read a real disk read (the page cache is dropped after
+# it), so decode with and without prefetch can be compared at every length. Named only (not in the default set):
+# at 8K each adds about as much time as fm-mixed.
+_DISK_FRACTION = 0.5
+_FM_DISK = {"kv_cache": "tiered", "kv_precision": "mixed", "cold_zone_uncached_reads": True, **_FM_COMMON}
+PREFETCH_BASELINE_ENGINE = "fm-mixed-disk"  # the disk engine without prefetch the prefetching ones compare with
 
 ENGINES: tuple[EngineSpec, ...] = (
     EngineSpec("fm-exact", FLASHMEMORY, "FlashMemory, exact FP16 contiguous cache (the fidelity reference)",
@@ -50,6 +59,15 @@ ENGINES: tuple[EngineSpec, ...] = (
     EngineSpec("fm-mixed-budget", FLASHMEMORY, "fm-mixed under max_gpu_memory_mb leaving the KV a quarter of "
                "the FP16 cache of the length (at most the fixed budget)",
                {"kv_cache": "tiered", "kv_precision": "mixed", **_FM_COMMON}, budgeted=True),
+    EngineSpec(PREFETCH_BASELINE_ENGINE, FLASHMEMORY, "fm-mixed with half of the prompt's KV on the disk level (L2; "
+               "window and warm span sized per length, 2048 + 2048 at 8K), uncached L2 reads, no prefetch",
+               _FM_DISK, in_default_set=False, disk_fraction=_DISK_FRACTION),
+    EngineSpec("fm-mixed-prefetch", FLASHMEMORY, "fm-mixed-disk plus the adaptive L2 prefetcher ranked by the heat "
+               "predictor", {**_FM_DISK, "prefetch_strategy": "adaptive", "prefetch_ranker": "predictor"},
+               in_default_set=False, disk_fraction=_DISK_FRACTION),
+    EngineSpec("fm-mixed-prefetch-lru", FLASHMEMORY, "fm-mixed-disk plus the adaptive L2 prefetcher ranked by "
+               "recency (LRU)", {**_FM_DISK, "prefetch_strategy": "adaptive", "prefetch_ranker": "lru"},
+               in_default_set=False, disk_fraction=_DISK_FRACTION),
     EngineSpec("hf-dynamic", TRANSFORMERS, "transformers DynamicCache (model dtype)", {"cache": "dynamic"}),
     EngineSpec("hf-static", TRANSFORMERS, "transformers StaticCache (preallocated to prompt + decode)",
                {"cache": "static"}),

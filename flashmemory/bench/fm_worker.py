@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from flashmemory.bench.engines import REFERENCE_ENGINE
 from flashmemory.bench.jobs import FidelityJob, FidelityResult, SpeedJob, SpeedResult, read_token_ids
+from flashmemory.bench.prefetch_figures import prefetch_figures
 from flashmemory.engine.stats import peak_memory
 
 WARMUP_PROMPT_TOKENS = 16
@@ -40,18 +42,20 @@ def measure_speed(job: SpeedJob) -> SpeedResult:
     try:
         ids = read_token_ids(job.ids_path, job.prompt_tokens)
         engine.generate_token_ids(ids[:WARMUP_PROMPT_TOKENS], max_new_tokens=2, ignore_eos=True)
+        before = dict(engine.cache.stats())  # cumulative counters (prefetch) without the warm-up's share
         engine.generate_token_ids(ids, max_new_tokens=job.decode_tokens, ignore_eos=True)
         stats, kv_stats = engine.last_stats, dict(engine.last_kv_stats)
     finally:
         engine.close()
     kv = kv_bytes(kv_stats)
+    prefetch = prefetch_figures(before, kv_stats, decode_steps=max(0, stats.num_generated_tokens - 1))
     return SpeedResult(
         engine=job.engine, prompt_tokens=len(ids), num_generated_tokens=stats.num_generated_tokens,
         prefill_tok_s=stats.prefill_tokens_per_s, ttft_s=stats.time_to_first_token_s,
         decode_tok_s=stats.decode_tokens_per_s, peak_rss_bytes=peak_rss_bytes(),
         device_kv_bytes=kv["device"], device_kv_bytes_used=kv["device_used"], host_kv_bytes=kv["host"],
         disk_kv_bytes=kv["disk"], num_threads=torch.get_num_threads(), device=str(engine.device),
-        detail={k: float(v) for k, v in kv_stats.items()},
+        detail={k: float(v) for k, v in kv_stats.items()}, prefetch=asdict(prefetch) if prefetch else None,
     )
 
 

@@ -61,6 +61,7 @@ class SpeedResult:
     num_threads: int = 0
     device: str = "cpu"
     detail: dict[str, Any] = field(default_factory=dict)
+    prefetch: dict[str, Any] | None = None  # PrefetchFigures of the request (FlashMemory with a prefetcher)
 
 
 @dataclass

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from flashmemory.bench.capacity import LimitCheck, longest_contexts
-from flashmemory.bench.engines import ENGINES, REFERENCE_ENGINE, EngineSpec
+from flashmemory.bench.engines import ENGINES, PREFETCH_BASELINE_ENGINE, REFERENCE_ENGINE, EngineSpec
 from flashmemory.bench.runner import BenchReport
 from flashmemory.bench.summary import EngineRow, RunRecord
 from flashmemory.errors import FlashMemoryError
@@ -36,6 +36,32 @@ def speed_table(report: BenchReport) -> str:
         lines.append(f"| {r.prompt_tokens} | {engine} | {_mib(r.device_kv_bytes)} | {_mib(r.host_kv_bytes)} | "
                      f"{_mib(r.disk_kv_bytes)} | {r.peak_rss_bytes / MIB:.0f} | {r.prefill_tok_s:.0f} | "
                      f"{r.ttft_s:.2f} | {r.decode_tok_s:.2f} | {ratio} | {r.spread_decode:.0%} |")
+    return "\n".join(lines)
+
+
+def prefetch_table(report: BenchReport) -> str:
+    """Decode speed with and without the L2 prefetcher, and what it did: the engines that prefetch, next to the
+    disk engine without prefetch; empty when none ran."""
+    rows = [r for r in report.rows if r.status == "ok"
+            and (r.prefetch_hit_rate is not None or r.engine == PREFETCH_BASELINE_ENGINE)]
+    if not any(r.prefetch_hit_rate is not None for r in rows):
+        return ""
+    base = {r.prompt_tokens: r for r in rows if r.engine == PREFETCH_BASELINE_ENGINE}
+    lines = [f"Prefetch: L2 segment reads during each measured request (prefill and decode), medians of the runs; "
+             f"decode against {PREFETCH_BASELINE_ENGINE} (the same KV placement, no prefetch):", "",
+             f"| context | engine | decode tok/s | decode vs {PREFETCH_BASELINE_ENGINE} | hit rate | issued | hits | "
+             "misses | wasted KiB | predictor ms/step |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        b = base.get(r.prompt_tokens)
+        ratio = f"{r.decode_tok_s / b.decode_tok_s:.2f}x" if b and b.decode_tok_s else "-"
+        if r.prefetch_hit_rate is None:
+            lines.append(f"| {r.prompt_tokens} | {r.engine} | {r.decode_tok_s:.2f} | {ratio} | off | | | | | |")
+            continue
+        ms = "-" if r.predictor_ms_per_step is None else f"{r.predictor_ms_per_step:.2f}"
+        lines.append(f"| {r.prompt_tokens} | {r.engine} | {r.decode_tok_s:.2f} | {ratio} | {r.prefetch_hit_rate:.1%} | "
+                     f"{r.prefetch_issued:.0f} | {r.prefetch_hits:.0f} | {r.prefetch_misses:.0f} | "
+                     f"{(r.prefetch_wasted_bytes or 0.0) / KIB:.1f} | {ms} |")
     return "\n".join(lines)
 
 
@@ -101,7 +127,7 @@ def settings_line(report: BenchReport) -> str:
 
 
 def to_markdown(report: BenchReport) -> str:
-    parts = [speed_table(report), fidelity_table(report), capacity_table(report), unavailable_table(report),
+    parts = [speed_table(report), prefetch_table(report), fidelity_table(report), capacity_table(report), unavailable_table(report),
              "Engines:\n\n" + legend(report), settings_line(report)]
     return "\n\n".join(p for p in parts if p) + "\n"
 

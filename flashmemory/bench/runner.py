@@ -21,6 +21,7 @@ import torch
 from flashmemory.bench.capacity import CapacityRow, LimitCheck, longest_contexts
 from flashmemory.bench.config import BenchConfig
 from flashmemory.bench.device_budget import knobs_for_kv_budget
+from flashmemory.bench.disk_tier import knobs_for_disk_fraction
 from flashmemory.bench.engines import (
     FLASHMEMORY,
     LLAMA_CPP,
@@ -112,6 +113,8 @@ class Bench:
         return min(self.budget_bytes, self.inputs.fp16_kv_bytes(requested_tokens) // BUDGET_FRACTION_OF_FP16)
 
     def settings_for(self, spec: EngineSpec, requested_tokens: int, kv_budget_bytes: int | None = None) -> dict:
+        if spec.disk_fraction:
+            return knobs_for_disk_fraction(requested_tokens, spec.disk_fraction, spec.settings)
         if not spec.budgeted:
             return dict(spec.settings)
         budget = kv_budget_bytes if kv_budget_bytes is not None else self.kv_budget_for(requested_tokens)
@@ -166,10 +169,12 @@ class Bench:
                         self.log(f"  run {run_index + 1}/{self.cfg.num_runs} {spec.name:20s} {prompt:5d} tok: "
                                  f"n/a: {error}")
                         continue
+                    pf = result.get("prefetch")
+                    prefetch = f", prefetch hit rate {pf['hit_rate']:.0%} of {pf['hits'] + pf['misses']}" if pf else ""
                     self.log(f"  run {run_index + 1}/{self.cfg.num_runs} {spec.name:20s} {prompt:5d} tok: prefill "
                              f"{result['prefill_tok_s']:.0f} tok/s, decode {result['decode_tok_s']:.2f} tok/s, "
                              f"device KV {result['device_kv_bytes'] / MIB:.1f} MiB, peak RSS "
-                             f"{result['peak_rss_bytes'] / MIB:.0f} MiB ({wall:.0f} s)")
+                             f"{result['peak_rss_bytes'] / MIB:.0f} MiB{prefetch} ({wall:.0f} s)")
         return runs
 
     def _limit_check(self, launcher: WorkerLauncher, ids_path: Path, rows: list[EngineRow]) -> LimitCheck | None:

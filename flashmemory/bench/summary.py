@@ -10,6 +10,10 @@ from flashmemory.bench.engines import EngineSpec
 
 MEDIAN_FIELDS = ("prefill_tok_s", "ttft_s", "decode_tok_s", "peak_rss_bytes", "device_kv_bytes",
                  "device_kv_bytes_used", "host_kv_bytes", "disk_kv_bytes")
+# EngineRow field <- the runs' PrefetchFigures field (prefetch_figures.py), medians of the runs that have them.
+PREFETCH_FIELDS = {"prefetch_hit_rate": "hit_rate", "prefetch_issued": "issued", "prefetch_hits": "hits",
+                   "prefetch_misses": "misses", "prefetch_wasted_bytes": "wasted_bytes",
+                   "predictor_ms_per_step": "predictor_ms_per_step"}
 
 
 @dataclass
@@ -47,6 +51,13 @@ class EngineRow:
     host_kv_bytes: float = 0.0
     disk_kv_bytes: float = 0.0
     spread_decode: float = 0.0  # (max - min) / median of decode tok/s over the runs: how noisy the machine was
+    # The L2 prefetcher over the measured request (None: the engine runs no prefetcher).
+    prefetch_hit_rate: float | None = None  # fraction of L2 segment reads served from the staging area
+    prefetch_issued: float | None = None  # L2 segment reads queued ahead
+    prefetch_hits: float | None = None
+    prefetch_misses: float | None = None
+    prefetch_wasted_bytes: float | None = None  # prefetched and dropped unread
+    predictor_ms_per_step: float | None = None  # ranking time per decode step
 
 
 def summarize(runs: list[RunRecord], specs: list[EngineSpec], lengths: list[tuple[int, int]]) -> list[EngineRow]:
@@ -66,6 +77,7 @@ def summarize(runs: list[RunRecord], specs: list[EngineSpec], lengths: list[tupl
                             num_generated_tokens=ok[0]["num_generated_tokens"], num_threads=ok[0]["num_threads"])
             for name in MEDIAN_FIELDS:
                 setattr(row, name, statistics.median(float(r[name]) for r in ok))
+            _prefetch_medians(row, [r["prefetch"] for r in ok if r.get("prefetch")])
             speeds = [float(r["decode_tok_s"]) for r in ok]
             if row.decode_tok_s > 0:
                 row.spread_decode = (max(speeds) - min(speeds)) / row.decode_tok_s
@@ -74,3 +86,10 @@ def summarize(runs: list[RunRecord], specs: list[EngineSpec], lengths: list[tupl
                 row.reason = f"{len(mine) - len(ok)} of {len(mine)} runs failed: {first_error}"
             rows.append(row)
     return rows
+
+
+def _prefetch_medians(row: EngineRow, figures: list[dict[str, Any]]) -> None:
+    for name, key in PREFETCH_FIELDS.items():
+        values = [float(f[key]) for f in figures if f.get(key) is not None]
+        if values:
+            setattr(row, name, statistics.median(values))

@@ -1,12 +1,14 @@
 """ServerMetrics: the server's Prometheus registry (`flashmemory:` prefix, vLLM's names where the meaning is the same).
 
 Request metrics are updated by the engine thread as tokens are sampled; the KV levels are exported per `tier`
-(L0 device, L1 host, L2 disk) from the latest `cache.stats()` snapshot the engine thread publishes each step.
+(L0 device, L1 host, L2 disk) from the latest `cache.stats()` snapshot the engine thread publishes each step, and
+so are the L2 prefetcher's figures when the cache runs one (PREFETCH_SERIES).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,6 +23,47 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)
+
+
+@dataclass(frozen=True)
+class StatSeries:
+    """One `cache.stats()` key exported as one series named PREFIX + key (labelled by model_name only)."""
+
+    key: str  # the stats key, and the metric name after PREFIX (a counter's exposition adds `_total`)
+    kind: str  # "counter" (cumulative since the prefetcher started) or "gauge"
+    doc: str
+
+
+# The prefetcher's figures (DESIGN.md §prefetch). Like the per-tier series, a series exists only when the snapshot
+# has its key: a cache without a prefetcher exports none (zeros would claim a prefetcher that never hits), and
+# keys a version does not report yet (predictor seconds, device staging) simply have no series.
+PREFETCH_SERIES = (
+    StatSeries("prefetch_issued", "counter", "L2 segment reads the prefetcher queued"),
+    StatSeries("prefetch_completed", "counter", "Prefetched L2 segments read, verified and staged in host memory"),
+    StatSeries("prefetch_hits", "counter", "L2 segment reads served from the prefetch staging area"),
+    StatSeries("prefetch_hits_prefetched", "counter",
+               "Of the hits, segments a prefetch reader read ahead (the rest were kept from the step's own reads)"),
+    StatSeries("prefetch_misses", "counter", "L2 segment reads that went to the disk"),
+    StatSeries("prefetch_late_misses", "counter",
+               "Of the misses, segments a prefetch reader had queued or in flight (the disk was behind)"),
+    StatSeries("prefetch_wasted_bytes", "counter", "Bytes prefetched from L2 and dropped unread"),
+    StatSeries("prefetch_predictor_seconds", "counter",
+               "Seconds the ranker itself ran (heat predictor MLP or LRU formula)"),
+    StatSeries("prefetch_ranking_seconds", "counter",
+               "Seconds of prefetch work at the end of decode steps (statistics, features, ranking, wanted sets)"),
+    StatSeries("prefetch_hit_rate", "gauge",
+               "Fraction of L2 segment reads served from the staging area since the prefetcher started (0-1)"),
+    StatSeries("prefetch_staged_bytes", "gauge", "Bytes staged by the prefetcher now"),
+    StatSeries("prefetch_depth", "gauge",
+               "Prefetch depth now (blocks ranked per block a step selects; the adaptive strategy moves it)"),
+    # Device staging of warm (L1) blocks ahead of the step that reads them, counted per (block, layer, KV head).
+    StatSeries("device_staging_issued", "counter", "L1 block records the device staging area was asked to copy ahead"),
+    StatSeries("device_staging_hits", "counter", "L1 block reads served from the device staging area"),
+    StatSeries("device_staging_misses", "counter", "L1 block reads copied from host memory on demand (not staged)"),
+    StatSeries("device_staging_wasted_bytes", "counter", "Bytes staged on the device and dropped unread"),
+    StatSeries("device_staging_bytes", "gauge", "Bytes of the device staging area in use now"),
+    StatSeries("device_staging_capacity_bytes", "gauge", "Bytes of the device staging area"),
+)
 
 
 class _KVCollector(Collector):
@@ -74,6 +117,18 @@ class _KVCollector(Collector):
                 source, _, dest = key.removeprefix("bytes_moved_").partition("->")
                 moved.add_metric([self.model_name, dest, source], value)
         yield from (usage, blocks, blocks_total, nbytes, capacity, selected, moved, read, failures)
+        yield from self._series(PREFETCH_SERIES)
+
+    def _series(self, table: tuple[StatSeries, ...]) -> Iterator[Metric]:
+        """One family per table entry whose key the snapshot has (a counter's exposition name ends in `_total`)."""
+        s = self.snapshot
+        for entry in table:
+            if entry.key not in s:
+                continue
+            cls = GaugeMetricFamily if entry.kind == "gauge" else CounterMetricFamily
+            family = cls(PREFIX + entry.key, entry.doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(s[entry.key]))
+            yield family
 
 
 class ServerMetrics:

@@ -21,15 +21,15 @@ def test_quick_bench_measures_each_engine_or_says_why_not(tiny_llama, tmp_path, 
     text.write_text(TEXT)
     out_json, charts = tmp_path / "bench.json", tmp_path / "charts"
     rc = main(["bench", "--quick", "--model", str(tiny_llama), "--text", str(text), "--lengths", str(PROMPT),
-               "--threads", "1", "--engines", "fm-exact", "fm-mixed", "hf-dynamic", "hf-offloaded", "llamacpp-f16",
-               "--json", str(out_json), "--charts-dir", str(charts)])
+               "--threads", "1", "--engines", "fm-exact", "fm-mixed", "fm-mixed-prefetch", "hf-dynamic", "hf-offloaded",
+               "llamacpp-f16", "--json", str(out_json), "--charts-dir", str(charts)])
     out = capsys.readouterr().out
     assert rc == 0
     report = json.loads(out_json.read_text())
     assert report["markdown"] in out
 
     rows = {r["engine"]: r for r in report["rows"]}
-    assert set(rows) == {"fm-exact", "fm-mixed", "hf-dynamic"}
+    assert set(rows) == {"fm-exact", "fm-mixed", "fm-mixed-prefetch", "hf-dynamic"}
     for r in rows.values():
         assert r["status"] == "ok" and r["prompt_tokens"] == PROMPT and r["num_runs"] == 1
         assert r["num_threads"] == 1  # --threads reached every worker
@@ -39,6 +39,15 @@ def test_quick_bench_measures_each_engine_or_says_why_not(tiny_llama, tmp_path, 
     assert rows["fm-exact"]["device_kv_bytes_used"] == held * FP16_TOKEN_BYTES
     assert rows["hf-dynamic"]["device_kv_bytes"] == held * 2 * FP16_TOKEN_BYTES  # float32 K/V
     assert rows["fm-mixed"]["device_kv_bytes"] > 0 and rows["fm-mixed"]["device_kv_bytes_used"] > 0
+    # The disk engines size window and warm span to the length: half of the 96 tokens reached L2, and the
+    # prefetcher's figures are real ones (fm-mixed keeps everything off L2 and runs no prefetcher).
+    assert rows["fm-mixed"]["disk_kv_bytes"] == 0 and rows["fm-mixed"]["prefetch_hit_rate"] is None
+    pf = rows["fm-mixed-prefetch"]
+    assert pf["disk_kv_bytes"] > 0
+    assert 0 <= pf["prefetch_hit_rate"] <= 1 and pf["prefetch_issued"] >= 0 and pf["prefetch_wasted_bytes"] >= 0
+    assert pf["prefetch_hits"] + pf["prefetch_misses"] > 0  # decode steps read L2 through the prefetcher
+    assert pf["predictor_ms_per_step"] is not None and pf["predictor_ms_per_step"] >= 0
+    assert "Prefetch: L2 segment reads" in out and "| 96 | fm-mixed-prefetch | " in out
 
     reasons = report["unavailable"]
     if not torch.cuda.is_available():
@@ -54,7 +63,8 @@ def test_quick_bench_measures_each_engine_or_says_why_not(tiny_llama, tmp_path, 
     assert all(f["context_tokens"] == PROMPT and f["teacher_forced_tokens"] == 16 for f in fidelity.values())
 
     capacity = {c["engine"]: c for c in report["capacity"]}
-    assert set(capacity) == {"fm-exact", "fm-mixed", "hf-dynamic", "hf-offloaded", "llamacpp-f16"}
+    assert set(capacity) == {"fm-exact", "fm-mixed", "fm-mixed-prefetch", "hf-dynamic", "hf-offloaded",
+                             "llamacpp-f16"}
     assert capacity["hf-dynamic"]["bytes_per_token"] == 2 * FP16_TOKEN_BYTES
     assert report["settings"]["omp_wait_policy"] and report["settings"]["command_settings"]["threads"] == 1
 

@@ -6,6 +6,7 @@ import pytest
 
 from flashmemory.bench import engines as engines_module
 from flashmemory.bench.config import BenchConfig, parse_length
+from flashmemory.bench.disk_tier import knobs_for_disk_fraction
 from flashmemory.bench.engines import ENGINES, select_engines, unavailable_reason
 from flashmemory.errors import ConfigError
 
@@ -42,7 +43,11 @@ def test_quick_mode_fills_only_what_was_not_given():
 def test_engines_are_selected_by_name_or_family_in_registry_order():
     default = [e.name for e in select_engines([])]
     assert default[:4] == ["fm-exact", "fm-int4", "fm-mixed", "fm-mixed-budget"]
-    assert "fm-contiguous" not in default and len(default) == len(ENGINES) - 1
+    named_only = {"fm-contiguous", "fm-mixed-disk", "fm-mixed-prefetch", "fm-mixed-prefetch-lru"}
+    assert not named_only & set(default) and len(default) == len(ENGINES) - len(named_only)
+    assert not named_only & {e.name for e in select_engines(["flashmemory"])}  # a family: its default ones
+    assert [e.name for e in select_engines(["fm-mixed-prefetch", "fm-mixed-disk"])] == ["fm-mixed-disk",
+                                                                                      "fm-mixed-prefetch"]
     assert [e.name for e in select_engines(["hf-dynamic", "fm-contiguous"])] == ["fm-contiguous", "hf-dynamic"]
     llama = [e.name for e in select_engines(["llama.cpp"])]
     assert len(llama) == 6 and {"llamacpp-f16", "llamacpp-q4_0-fa"} <= set(llama)
@@ -62,3 +67,18 @@ def test_every_missing_peer_says_what_to_install_or_what_it_needs(monkeypatch):
     assert unavailable_reason(by_name["fm-mixed"], False, False) is None
     monkeypatch.setattr(engines_module, "_importable", lambda module: True)
     assert "needs a GGUF model" in unavailable_reason(by_name["llamacpp-f16"], False, False)
+
+
+def test_disk_engines_put_about_half_of_each_prompt_on_l2_with_the_default_window_when_it_fits():
+    by_name = {e.name: e for e in ENGINES}
+    disk, prefetch = by_name["fm-mixed-disk"], by_name["fm-mixed-prefetch"]
+    assert disk.settings["cold_zone_uncached_reads"] and disk.settings.get("prefetch_strategy", "none") == "none"
+    assert prefetch.settings == {**disk.settings, "prefetch_strategy": "adaptive", "prefetch_ranker": "predictor"}
+    assert by_name["fm-mixed-prefetch-lru"].settings["prefetch_ranker"] == "lru"
+    for tokens, window, warm in ((8192, 2048, 2048), (2048, 512, 512), (512, 128, 128), (96, 16, 32)):
+        knobs = knobs_for_disk_fraction(tokens, 0.5, disk.settings)
+        assert (knobs["active_window"], knobs["warm_tokens"]) == (window, warm), tokens
+        assert {k: v for k, v in knobs.items() if k not in ("active_window", "warm_tokens")} == disk.settings
+    assert knobs_for_disk_fraction(20000, 0.5, {})["active_window"] == 2048  # the engine's default at most
+    with pytest.raises(ConfigError, match="disk_fraction"):
+        knobs_for_disk_fraction(8192, 1.0, {})

@@ -76,6 +76,7 @@ def test_markdown_has_a_row_or_a_reason_for_every_engine(report):
     assert "| hf-static | - | n/a: worker killed |" in md
     assert "| hf-dynamic | 45.00 | 0.0 | 1024 |" in md and "**8192** (limit)" in md
     assert "OMP_WAIT_POLICY=PASSIVE" in md and "2 threads" in md
+    assert "Prefetch:" not in md  # no engine prefetched: no section
 
 
 def test_the_json_report_reads_back_to_the_same_tables(report, tmp_path):
@@ -95,3 +96,36 @@ def test_charts_are_written_as_png_files(report, tmp_path):
     assert [p.name for p in paths] == list(CHART_FILES)
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+
+
+def prefetch(hit_rate: float, hits: int, misses: int, ms: float | None) -> dict:
+    return {"hit_rate": hit_rate, "issued": 40, "hits": hits, "misses": misses, "wasted_bytes": 2048,
+            "predictor_ms_per_step": ms}
+
+
+def test_prefetch_figures_get_medians_a_section_and_survive_the_json(report, tmp_path):
+    specs = select_engines(["fm-mixed-disk", "fm-mixed-prefetch", "fm-mixed-prefetch-lru"])
+    runs = []
+    for i, (decode, rate, hits) in enumerate(((4.0, 0.5, 50), (6.0, 0.7, 70), (5.0, 0.6, 60))):
+        runs.append(RunRecord("fm-mixed-disk", 2048, 2048, i, result("fm-mixed-disk", 2048, decode, MIB), None, 1.0))
+        runs.append(RunRecord("fm-mixed-prefetch", 2048, 2048, i, {
+            **result("fm-mixed-prefetch", 2048, 2 * decode, MIB), "prefetch": prefetch(rate, hits, 100 - hits, 0.25)},
+            None, 1.0))
+    runs.append(RunRecord("fm-mixed-prefetch-lru", 2048, 2048, 0, None, "worker killed", 1.0))
+    rows = summarize(runs, specs, [(2048, 2048)])
+    disk, pf, lru = rows
+    assert disk.prefetch_hit_rate is None and disk.predictor_ms_per_step is None  # no prefetcher
+    assert (pf.prefetch_hit_rate, pf.prefetch_hits, pf.prefetch_misses) == (0.6, 60, 40)
+    assert pf.prefetch_issued == 40 and pf.prefetch_wasted_bytes == 2048 and pf.predictor_ms_per_step == 0.25
+    assert lru.status == "n/a"
+    report.engines, report.rows, report.runs, report.unavailable = specs, rows, runs, {}
+    report.capacity = longest_contexts(specs, rows, {}, 45 * MIB, 8192, "float32", None)
+    md = to_markdown(report)
+    assert "Prefetch: L2 segment reads" in md
+    assert "| 2048 | fm-mixed-disk | 5.00 | 1.00x | off | | | | | |" in md
+    assert "| 2048 | fm-mixed-prefetch | 10.00 | 2.00x | 60.0% | 40 | 60 | 40 | 2.0 | 0.25 |" in md
+    assert "| 2048 | fm-mixed-prefetch-lru | n/a: worker killed |" in md  # the speed table says why
+    path = tmp_path / "r.json"
+    write_json(report, path, md)
+    again = read_json(path)
+    assert to_markdown(again) == md and again.rows[1].prefetch_hit_rate == 0.6

@@ -1,10 +1,16 @@
-"""/metrics parses with prometheus_client's parser and carries vLLM-named request metrics and per-tier KV series."""
+"""/metrics parses with prometheus_client's parser and carries vLLM-named request metrics, per-tier KV series and,
+when the cache runs an L2 prefetcher, its figures."""
 
 from __future__ import annotations
 
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from flashmemory import FlashMemoryEngine
+from flashmemory.serve.metrics import PREFETCH_SERIES, ServerMetrics
 from flashmemory.serve.stats_log import StatsLogger
+
+P = "flashmemory:"
 
 
 def scrape(http) -> dict:
@@ -45,6 +51,63 @@ def test_metrics_parse_and_show_requests_tokens_latencies_and_every_tier(http):
     assert {s.labels["reason"] for s in m[p + "kv_load_failures"].samples} == {"missing", "truncated", "checksum",
                                                                              "header"}
     assert value(m[p + "kv_blocks"], tier="L2") == 0  # the finished request's blocks are freed
+    # No prefetcher in this server: no prefetch series (rather than zeros claiming one that never hits).
+    assert not [name for name in m if name.startswith((p + "prefetch_", p + "device_staging_"))]
+
+
+def exposition(stats: dict[str, int | float]) -> dict:
+    """/metrics' text for a server whose engine thread published `stats`, parsed."""
+    metrics = ServerMetrics("tiny")
+    metrics.publish_kv(stats)
+    return {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+
+
+def test_prefetch_series_carry_a_real_prefetching_cache_stats(tiny_llama):
+    # The tiny model with a 32-token window and 32-token warm span: 96 prompt tokens put blocks on L2, and the
+    # decode steps read them through the prefetcher.
+    engine = FlashMemoryEngine(model_path=str(tiny_llama), num_threads=1, block_size=8, active_window=32,
+                               warm_tokens=32, prefill_chunk_tokens=64, cpu_memory_gb=0.01, cold_zone_gb=0.01,
+                               max_num_seqs=1, prefetch_strategy="adaptive", prefetch_ranker="predictor",
+                               cold_zone_uncached_reads=True)
+    try:
+        engine.generate_token_ids(list(range(5, 101)), max_new_tokens=24, ignore_eos=True)
+        stats = dict(engine.last_kv_stats)
+    finally:
+        engine.close()
+    assert stats["prefetch_hits"] + stats["prefetch_misses"] > 0  # decode steps read L2 through the prefetcher
+    m = exposition(stats)
+    exported = [e for e in PREFETCH_SERIES if e.key in stats]
+    assert {e.key for e in exported} >= {"prefetch_issued", "prefetch_hits", "prefetch_misses",
+                                         "prefetch_wasted_bytes", "prefetch_hit_rate", "prefetch_staged_bytes",
+                                         "prefetch_depth"}
+    for e in exported:
+        family = m[P + e.key]
+        assert family.type == e.kind, e.key
+        (sample,) = family.samples
+        assert sample.name == P + e.key + ("_total" if e.kind == "counter" else "")
+        assert sample.labels == {"model_name": "tiny"}
+        assert sample.value == float(stats[e.key]), e.key
+    assert 0 <= value(m[P + "prefetch_hit_rate"]) <= 1
+    # A key this cache does not report has no series.
+    assert not [e.key for e in PREFETCH_SERIES if e.key not in stats and P + e.key in m]
+
+
+def test_prefetch_series_follow_the_snapshot_keys_predictor_seconds_and_device_staging_included():
+    kv = {"L0_blocks": 1, "L0_bytes": 10, "L0_bytes_capacity": 100}
+    m = exposition(kv)
+    assert not [name for name in m if name.startswith((P + "prefetch_", P + "device_staging_"))]
+    m = exposition({**kv, "prefetch_issued": 7, "prefetch_hits": 30, "prefetch_misses": 10, "prefetch_hit_rate": 0.75,
+                    "prefetch_wasted_bytes": 4096, "prefetch_staged_bytes": 2048, "prefetch_depth": 1.5,
+                    "prefetch_predictor_seconds": 0.125, "device_staging_hits": 5, "device_staging_misses": 3,
+                    "device_staging_bytes": 512})
+    assert value(m[P + "prefetch_issued"]) == 7 and value(m[P + "prefetch_wasted_bytes"]) == 4096
+    assert value(m[P + "prefetch_hits"]) == 30 and value(m[P + "prefetch_misses"]) == 10
+    assert value(m[P + "prefetch_predictor_seconds"]) == 0.125 and m[P + "prefetch_predictor_seconds"].type == "counter"
+    assert value(m[P + "prefetch_hit_rate"]) == 0.75 and m[P + "prefetch_hit_rate"].type == "gauge"
+    assert value(m[P + "prefetch_staged_bytes"]) == 2048 and value(m[P + "prefetch_depth"]) == 1.5
+    assert value(m[P + "device_staging_hits"]) == 5 and value(m[P + "device_staging_misses"]) == 3
+    assert value(m[P + "device_staging_bytes"]) == 512 and m[P + "device_staging_bytes"].type == "gauge"
+    assert P + "prefetch_completed" not in m  # not in the snapshot: no series
 
 
 class FakeClock:
