@@ -1,4 +1,5 @@
-"""Prefetch of cold (L2) blocks into a bounded host staging area, ahead of the decode step that selects them.
+"""Prefetch: cold (L2) blocks into a bounded host staging area, warm (L1) blocks into the device staging area,
+ahead of the decode step that selects them.
 
 During a decode step the cache hands every layer's query-aware choice to the prefetcher (`on_choose`, which only
 keeps the tensors). When the step is over (`on_step_end`, every layer read), the choices are folded into the
@@ -8,7 +9,10 @@ layer's wanted set for the next step. Background threads read the wanted (slot, 
 yet, earliest layer first (the next step needs them first); segments the step itself had to read from disk stay
 staged if they are wanted again (read-through). The next step's L2 read of a layer takes staged segments from
 memory (a hit: read ahead by a reader thread, or kept from this step's own read) and reads the rest from disk (a
-miss: "late" when a reader had it queued or in flight, "cold" when it was not wanted).
+miss: "late" when a reader had it queued or in flight, "cold" when it was not wanted). A staged segment stays while
+its block ranks within RETAIN_FACTOR x the wanted set, so blocks at the edge are not evicted and read again. With a
+DeviceStaging (device_staging.py), the L1 candidates are ranked the same way and each layer's hottest are handed to
+it (`want`), which copies them to the device in the background.
 
 NOTE: a segment becomes visible only after it was read completely and its crc32 verified, and only together with
 the slot generation it was read under; DiskPool bumps a slot's generation before rewriting or freeing it, so a
@@ -128,11 +132,10 @@ class Prefetcher:
             wanted = torch.zeros((layers, n), dtype=torch.bool).scatter_(1, top[..., :keep].reshape(layers, -1), True)
             retained = torch.zeros((layers, n), dtype=torch.bool).scatter_(1, top.reshape(layers, -1), True)
             assert cold.slots is not None
-            slots = cold.slots.tolist()
+            slots = cold.slots.numpy()
 
             def by_layer(mask: torch.Tensor) -> dict[int, set[int]]:
-                return {layer: {slots[j] for j in row.nonzero()[:, 0].tolist()}
-                        for layer, row in zip(cold.layers.tolist(), mask)}
+                return {layer: set(slots[row].tolist()) for layer, row in zip(cold.layers.tolist(), mask.numpy())}
 
             self._want(seq_id, by_layer(wanted), by_layer(retained))
             if self.strategy == "adaptive" and self._window[1] >= ADAPT_EVERY_LOOKUPS:
@@ -259,34 +262,36 @@ class Prefetcher:
         A decode step's lookups are counted and its disk reads stay staged until the step's end decides whether
         the next step wants them (read-through); prefill reads (`decoding=False`) pass straight through.
         """
-        assert self.disk_pool is not None
-        self.disk_pool.check_file()
-        chunks: list[bytes] = []
+        pool = self.disk_pool
+        assert pool is not None
+        pool.check_file()
+        chunks: list[bytes] = [b""] * len(slots)
+        missing: list[int] = []  # positions in `slots` read from the disk
         hits = late = prefetched = 0
-        for slot in slots:
-            key = (slot, layer)
-            with self._lock:
+        with self._lock:  # one pass over the staging area for the whole layer
+            for i, slot in enumerate(slots):
+                key = (slot, layer)
                 entry = self._staged.get(key)
-                valid = entry is not None and entry.generation == self.disk_pool.generation.get(slot, 0)
-                if valid:
-                    entry.used = True
-                elif entry is not None:
-                    self._evict(key)
+                if entry is not None:
+                    if entry.generation == pool.generation.get(slot, 0):
+                        entry.used = True
+                        chunks[i] = entry.data
+                        hits += 1
+                        prefetched += entry.prefetched
+                        continue
+                    self._evict(key)  # its slot was rewritten: never served
+                missing.append(i)
                 late += key in self._queued or key in self._reading
-            if valid:
-                chunks.append(entry.data)
-                hits += 1
-                prefetched += entry.prefetched
-                continue
-            generation = self.disk_pool.generation.get(slot, 0)
-            data = self.disk_pool.read_segment(slot, layer)
-            chunks.append(data)
-            if decoding:
-                with self._lock:
-                    if self._publish(seq_id, slot, layer, data, generation, prefetched=False):
-                        self._read_through.setdefault((seq_id, layer), set()).add(slot)
+        reads = []
+        for i in missing:  # lock not held: disk time
+            generation = pool.generation.get(slots[i], 0)
+            chunks[i] = pool.read_segment(slots[i], layer)
+            reads.append((slots[i], generation, chunks[i]))
         if decoding:
             with self._lock:
+                for slot, generation, data in reads:
+                    if self._publish(seq_id, slot, layer, data, generation, prefetched=False):
+                        self._read_through.setdefault((seq_id, layer), set()).add(slot)
                 self.counters["prefetch_hits"] += hits
                 self.counters["prefetch_misses"] += len(slots) - hits
                 self.counters["prefetch_late_misses"] += late
@@ -294,7 +299,7 @@ class Prefetcher:
                 self._window[0] += hits
                 self._window[1] += len(slots)
                 self._window[2] += late
-        return self.disk_pool.unflatten(b"".join(chunks), len(slots))
+        return pool.unflatten(b"".join(chunks), len(slots))
 
     def _adapt(self) -> None:
         """Adaptive depth, from the hit rate and how the readers keep up with the compute: when misses are mostly
