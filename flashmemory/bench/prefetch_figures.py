@@ -13,14 +13,14 @@ from typing import Any
 
 @dataclass
 class PrefetchFigures:
-    """What the prefetcher did during one request (prefill and decode)."""
+    """What the prefetcher did during one request's decode steps (prefill reads pass through uncounted)."""
 
     hit_rate: float  # fraction of L2 segment reads served from the staging area (0-1)
     issued: int  # L2 segment reads queued ahead
     hits: int  # L2 segment reads served from the staging area
     misses: int  # L2 segment reads that went to the disk
     wasted_bytes: int  # prefetched and dropped unread
-    predictor_ms_per_step: float | None  # ranking time per decode step (all layers); None: not reported
+    predictor_ms_per_step: float  # the ranker's time per decode step (all layers)
 
 
 def prefetch_figures(before: dict[str, Any], after: dict[str, Any], decode_steps: int) -> PrefetchFigures | None:
@@ -32,13 +32,8 @@ def prefetch_figures(before: dict[str, Any], after: dict[str, Any], decode_steps
         return int(after.get(key, 0)) - int(before.get(key, 0))
 
     hits, misses = delta("prefetch_hits"), delta("prefetch_misses")
-    if "prefetch_predictor_seconds" in after:  # cumulative seconds: exact for this request's steps
-        seconds = float(after["prefetch_predictor_seconds"]) - float(before.get("prefetch_predictor_seconds", 0.0))
-        predictor_ms = 1000 * seconds / decode_steps if decode_steps > 0 else 0.0
-    elif "predictor_ms_per_step" in after:  # a mean since the cache started (the warm-up reads no L2: ~the same)
-        predictor_ms = float(after["predictor_ms_per_step"])
-    else:
-        predictor_ms = None
+    seconds = float(after.get("prefetch_predictor_seconds", 0.0)) - float(before.get("prefetch_predictor_seconds", 0.0))
+    predictor_ms = 1000 * seconds / decode_steps if decode_steps > 0 else 0.0
     return PrefetchFigures(hit_rate=hits / (hits + misses) if hits + misses else 0.0, issued=delta("prefetch_issued"),
                            hits=hits, misses=misses, wasted_bytes=delta("prefetch_wasted_bytes"),
                            predictor_ms_per_step=predictor_ms)

@@ -47,7 +47,8 @@ def prefetch_table(report: BenchReport) -> str:
     if not any(r.prefetch_hit_rate is not None for r in rows):
         return ""
     base = {r.prompt_tokens: r for r in rows if r.engine == PREFETCH_BASELINE_ENGINE}
-    lines = [f"Prefetch: L2 segment reads during each measured request (prefill and decode), medians of the runs; "
+    lines = ["Prefetch: L2 segment reads of the decode steps of each measured request (prefill reads are not "
+             "ranked or counted), medians of the runs; "
              f"decode against {PREFETCH_BASELINE_ENGINE} (the same KV placement, no prefetch):", "",
              f"| context | engine | decode tok/s | decode vs {PREFETCH_BASELINE_ENGINE} | hit rate | issued | hits | "
              "misses | wasted KiB | predictor ms/step |",
