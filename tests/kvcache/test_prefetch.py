@@ -165,3 +165,37 @@ def test_engine_output_is_identical_with_prefetch_and_stats_move(tiny_llama):
         assert s["prefetch_hits"] > 0 and s["L2_load_failures_checksum"] == 0
     assert stats[1]["prefetch_issued"] > 0  # aggressive reads twice the budget ahead; adaptive LRU starts at 1x
     assert stats[3]["predictor_ms"] > 0 and stats[3]["prefetch_issued"] > 0
+
+
+def test_two_sequences_decoding_in_one_batch_prefetch_each_their_own_blocks(tiny_llama):
+    """The server's case: one forward carries several sequences' decode steps; each gets its own statistics,
+    wanted sets and step end, and the logits equal the run without prefetch."""
+    from flashmemory.kvcache.interface import ForwardBatch
+
+    levels = dict(block_size=8, active_window=16, warm_tokens=16, prefill_chunk_tokens=32, cpu_memory_gb=0.01,
+                  cold_zone_gb=0.01, semantic_truncate_threshold=0.3, warm_budget_tokens=8, max_num_seqs=2)
+    gen = torch.Generator().manual_seed(8)
+    prompts = {1: torch.randint(3, 300, (90,), generator=gen).tolist(),
+               2: torch.randint(3, 300, (70,), generator=gen).tolist()}
+    runs = []
+    for knobs in ({}, {"prefetch_strategy": "aggressive"}):
+        engine = FlashMemoryEngine(model_path=str(tiny_llama), **levels, **knobs)
+        cache = engine.cache
+        for seq, ids in prompts.items():
+            cache.add_sequence(seq)
+            engine._forward(seq, ids)
+        logits = []
+        for step in range(12):
+            batch = ForwardBatch.build([(seq, cache.num_tokens(seq), 1) for seq in prompts], engine.device)
+            ids = torch.tensor([3 + step, 40 + step], dtype=torch.long)
+            logits.append(engine.model(ids, cache, batch, logits_indices=torch.arange(2)))
+            cache.commit(batch)
+        stats = engine.stats()
+        if cache.prefetcher is not None:
+            assert set(cache.prefetcher.stats_by_seq) == {1, 2}
+            cache.free_sequence(1)
+            assert set(cache.prefetcher.stats_by_seq) == {2} and all(k[0] != 1 for k in cache.prefetcher._wanted)
+        runs.append((torch.stack(logits), stats))
+        engine.close()
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[1][1]["prefetch_hits"] > 0 and runs[1][1]["L2_load_failures_checksum"] == 0
