@@ -169,6 +169,18 @@ def format_kv_stats(stats: dict) -> str:
         lines.append(f"selected   {', '.join(sel)} of candidate blocks per decode step")
     elif any(k.endswith("_selected_fraction") for k in stats):
         lines.append("selected   nothing to select: all KV was still in L0")
+    if "prefetch_hits" in stats:
+        lookups = stats["prefetch_hits"] + stats["prefetch_misses"]
+        lines.append(f"prefetch   L2 hit rate {stats['prefetch_hit_rate']:.1%} of {lookups} segment reads, "
+                     f"{stats['prefetch_issued']} read ahead, {stats['prefetch_wasted_bytes'] / 2**20:.2f} MiB "
+                     f"wasted; ranker {stats['predictor_ms']:.2f} ms, all step-end work "
+                     f"{stats['prefetch_ranking_ms']:.2f} ms per decode step")
+    if "device_staging_hits" in stats:
+        reads = stats["device_staging_hits"] + stats["device_staging_misses"]
+        rate = stats["device_staging_hits"] / reads if reads else 0.0
+        lines.append(f"staging    L1 on device: hit rate {rate:.1%} of {reads} block reads, "
+                     f"{stats['device_staging_bytes'] / 2**20:.2f} MiB of "
+                     f"{stats['device_staging_capacity_bytes'] / 2**20:.1f} MiB")
     if "kv_bytes_used" in stats:
         lines.append(f"KV (contiguous) {stats['kv_bytes_used'] / 2**20:.2f} MiB")
     return "\n".join(lines)

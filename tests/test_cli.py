@@ -71,3 +71,14 @@ def test_module_entry_point_runs(tiny_llama):
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_generate_stats_show_levels_and_prefetch(tiny_llama, tmp_path, capsys):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(" ".join(f"w{i}" for i in range(45)))  # ~180 tokens of the tiny vocabulary
+    args = ["generate", "--model", str(tiny_llama), "--prompt-file", str(prompt), "--max-new-tokens", "6", "--stats",
+            "--block-size", "8", "--active-window", "16", "--warm-tokens", "16", "--prefetch-strategy", "adaptive"]
+    assert main(args) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    for line in ("L0 device", "L1 host", "L2 disk", "selected", "prefetch   L2 hit rate", "per decode step"):
+        assert line in err
