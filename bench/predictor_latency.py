@@ -39,15 +39,15 @@ def _median_ms(fn, repeats: int) -> float:
 def _last_l2_step(path: str) -> torch.Tensor:
     """Feature rows [F, rows] of the trace's last L2 step (every layer), after replaying the whole trace."""
     from flashmemory.kvcache.access_stats import AccessStats, StepChoices
-    from flashmemory.kvcache.access_trace import TraceRecorder, _stacked, _steps
+    from flashmemory.kvcache.access_trace import TraceRecorder, stack_events, trace_steps
 
     trace = TraceRecorder.load(path)
     layers = 1 + max(e.layer for e in trace.events)
     heads = trace.events[0].scores.shape[0]
     stats: dict[int, AccessStats] = {}
     last: tuple[AccessStats, StepChoices] | None = None
-    for seq_id, events in _steps(trace.events):
-        step = _stacked(events)
+    for seq_id, events in trace_steps(trace.events):
+        step = stack_events(events)
         st = stats.setdefault(seq_id, AccessStats(layers, heads))
         st.update(step)
         if step.level == 2:

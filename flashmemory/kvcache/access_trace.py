@@ -87,16 +87,14 @@ class TraceRecorder:
         return rec
 
 
-def _steps(events: list[ChoiceEvent]) -> list[tuple[int, list[ChoiceEvent]]]:
-    """Group a trace into (seq_id, one level's choices of one step), in recording order. A step's choices are
-    recorded together (one forward, layer by layer); a group holds those sharing the step, level and candidates."""
+def trace_steps(events: list[ChoiceEvent]) -> list[tuple[int, list[ChoiceEvent]]]:
+    """Group a trace into (seq_id, one level's choices of one step), in the order the groups start. A group holds
+    the choices sharing the sequence, step, level and candidates (one per layer; sequences decoding in one batch
+    interleave theirs)."""
     groups: list[tuple[int, list[ChoiceEvent]]] = []
-    open_groups: dict[tuple[int, int], list[ChoiceEvent]] = {}  # (level, n) -> group of the current step
-    current: tuple[int, int] | None = None
+    open_groups: dict[tuple[int, int, int, int], list[ChoiceEvent]] = {}  # (seq, step, level, n) -> group
     for e in events:
-        if (e.seq_id, e.step) != current:
-            current, open_groups = (e.seq_id, e.step), {}
-        key = (e.level, e.indices.size)
+        key = (e.seq_id, e.step, e.level, e.indices.size)
         group = open_groups.get(key)
         if group is None or any(x.layer == e.layer for x in group) or not np.array_equal(group[0].indices, e.indices):
             group = open_groups[key] = []
@@ -105,7 +103,8 @@ def _steps(events: list[ChoiceEvent]) -> list[tuple[int, list[ChoiceEvent]]]:
     return groups
 
 
-def _stacked(group: list[ChoiceEvent]) -> StepChoices:
+def stack_events(group: list[ChoiceEvent]) -> StepChoices:
+    """A recorded group (trace_steps) as the StepChoices the prefetcher builds online."""
     first = group[0]
     return StepChoices(first.step, first.level, torch.tensor([e.layer for e in group], dtype=torch.int64),
                        torch.from_numpy(first.indices.astype(np.int64)),
@@ -138,8 +137,8 @@ def trace_dataset(trace: TraceRecorder, horizon_steps: int = 1, levels: tuple[in
     stats: dict[int, AccessStats] = {}
     feats, labels, groups = [], [], []
     group = 0
-    for seq_id, events in _steps(trace.events):
-        step = _stacked(events)
+    for seq_id, events in trace_steps(trace.events):
+        step = stack_events(events)
         st = stats.setdefault(seq_id, AccessStats(num_layers, heads))
         st.update(step)
         if step.level not in levels or step.step + horizon_steps > last_step[seq_id]:

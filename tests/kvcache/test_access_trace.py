@@ -9,7 +9,7 @@ import torch
 from flashmemory import FlashMemoryEngine
 from flashmemory.errors import ConfigError
 from flashmemory.kvcache.access_stats import FEATURE_NAMES, NUM_FEATURES, AccessStats, StepChoices
-from flashmemory.kvcache.access_trace import ChoiceEvent, TraceRecorder, lru_scores, trace_dataset
+from flashmemory.kvcache.access_trace import ChoiceEvent, TraceRecorder, lru_scores, trace_dataset, trace_steps
 
 LEVELS = dict(block_size=8, active_window=16, warm_tokens=16, prefill_chunk_tokens=32, cpu_memory_gb=0.01,
               cold_zone_gb=0.01, semantic_truncate_threshold=0.3, warm_budget_tokens=8)
@@ -141,3 +141,18 @@ def test_statistics_are_the_same_through_views_and_through_gathers():
         if len(intervals):
             assert f[col["interval_mean_log"], 0, 0, j] == pytest.approx(np.log1p(intervals.mean()) / 5, abs=1e-6)
             assert f[col["interval_var_log"], 0, 0, j] == pytest.approx(np.log1p(intervals.var()) / 10, abs=1e-5)
+
+
+def test_sequences_decoding_in_one_batch_are_grouped_per_sequence_and_step():
+    """In a batched forward the sequences' choices interleave layer by layer; each step of each sequence is still
+    one group of all its layers."""
+    events = []
+    for step in range(3):
+        for layer in range(2):
+            for seq in (0, 1):  # the order a batched forward records them
+                events.append(ChoiceEvent(seq, 10 * seq + step, layer, 2, np.arange(6, dtype=np.int32),
+                                          np.zeros((1, 6), np.float16), np.array([[0, 1]], np.int32),
+                                          np.zeros(1, np.float32), 10))
+    groups = trace_steps(events)
+    assert [(seq, g[0].step, [e.layer for e in g]) for seq, g in groups] == [
+        (seq, 10 * seq + step, [0, 1]) for step in range(3) for seq in (0, 1)]
