@@ -11,9 +11,12 @@ on are the features it is served.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
+
+from flashmemory.kvcache import native
 
 NUM_INTERVALS = 10  # access intervals kept per block for the interval statistics
 NEVER_SELECTED_STEPS = 64  # "steps since last selected" of a block never selected
@@ -91,13 +94,16 @@ class AccessStats:
     State tensors are [layers, heads, capacity_blocks]. A step's candidates are nearly always one run of logical
     blocks in every layer, so the statistics are read and updated through slice views (no gathers); the interval
     ring is updated only where a block was selected again, with its sums kept alongside (exact int64), so the
-    interval features cost O(cells), not O(cells x NUM_INTERVALS).
+    interval features cost O(cells), not O(cells x NUM_INTERVALS). That usual case runs in the native kernel
+    (csrc/access_stats.c, the same arithmetic) when it is built; this torch code is the reference and serves the
+    rest.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.capacity = 0
+        self._lib = native.library()
         self._grow(256)
 
     def _grow(self, capacity: int) -> None:
@@ -141,6 +147,8 @@ class AccessStats:
         if top >= self.capacity:
             self._grow(max(2 * self.capacity, top + 1))
         at = self._cells(c)
+        if self._lib is not None and isinstance(at[2], slice) and self._native_update(c, at[2].start):
+            return
         heads = torch.arange(self.num_kv_heads)[None, :, None]
         cells = ((c.layers[:, None, None] * self.num_kv_heads + heads) * self.capacity + c.indices[c.chosen]).reshape(-1)
         last = self.last_step.view(-1).index_select(0, cells)
@@ -174,6 +182,8 @@ class AccessStats:
         at = self._cells(c)
         n = c.indices.numel()
         out = torch.empty((NUM_FEATURES, *c.scores.shape), dtype=torch.float32)
+        if self._lib is not None and isinstance(at[2], slice) and self._native_features(c, at[2].start, out):
+            return out
         last = self.last_step[at]
         never = last < 0
         since = (c.step - last).masked_fill_(never, NEVER_SELECTED_STEPS)
@@ -190,13 +200,40 @@ class AccessStats:
         torch.sub(scores, kth, out=out[6]).div_(std).clamp_(-5, 5)
         out[7].copy_((c.indices.float() / max(c.num_blocks, 1)).expand_as(out[7]))
         out[8].fill_(1.0 if c.level == 2 else 0.0)
-        k = self.num_intervals[at].float()
-        denom = k.clamp(min=1)
-        mean_interval = self.interval_sum[at].float() / denom
-        torch.log1p(mean_interval, out=out[9]).div_(5)
-        var = (self.interval_sumsq[at].float() / denom - mean_interval * mean_interval).clamp_(min=0)
-        torch.log1p(var, out=out[10]).div_(10)
-        torch.div(k, NUM_INTERVALS, out=out[11])
+        k = self.num_intervals[at]
+        denom = k.clamp(min=1).double()  # from the exact int64 sums, in double: E[x^2] - E[x]^2 cancels
+        mean_interval = self.interval_sum[at].double() / denom
+        var = (self.interval_sumsq[at].double() / denom - mean_interval * mean_interval).clamp_(min=0)
+        torch.log1p(mean_interval.float(), out=out[9]).div_(5)
+        torch.log1p(var.float(), out=out[10]).div_(10)
+        torch.div(k.float(), NUM_INTERVALS, out=out[11])
         out[12].copy_((c.query_mean.float().unsqueeze(-1) * 10).clamp(-5, 5).expand_as(out[12]))
         out[13].fill_(c.budget / max(n, 1))
         return out
+
+    # ---- the native kernel (the usual case: every layer, one run of blocks) ------------------------------------
+
+    def _state(self) -> list[ctypes.c_void_p]:
+        return [ctypes.c_void_p(t.data_ptr()) for t in (self.last_step, self.count, self.observed, self.ema)]
+
+    def _native_update(self, c: StepChoices, first: int) -> bool:
+        chosen = c.chosen.to(torch.int64).contiguous()
+        rc = self._lib.fm_access_update(
+            self.num_layers, self.num_kv_heads, self.capacity, first, c.indices.numel(), c.step,
+            ctypes.c_void_p(chosen.data_ptr()), chosen.shape[2], *self._state(),
+            *(ctypes.c_void_p(t.data_ptr()) for t in (self.ring, self.ring_head, self.num_intervals,
+                                                      self.interval_sum, self.interval_sumsq)))
+        return rc == 0
+
+    def _native_features(self, c: StepChoices, first: int, out: torch.Tensor) -> bool:
+        chosen = c.chosen.to(torch.int64).contiguous()
+        scores = c.scores.to(torch.float32).contiguous()
+        query_mean = c.query_mean.to(torch.float32).contiguous()
+        rc = self._lib.fm_access_features(
+            self.num_layers, self.num_kv_heads, self.capacity, first, c.indices.numel(), c.step,
+            ctypes.c_void_p(chosen.data_ptr()), chosen.shape[2], ctypes.c_void_p(scores.data_ptr()),
+            ctypes.c_void_p(query_mean.data_ptr()), c.num_blocks, c.level, *self._state(),
+            *(ctypes.c_void_p(t.data_ptr()) for t in (self.num_intervals, self.interval_sum,
+                                                      self.interval_sumsq)),
+            ctypes.c_void_p(out.data_ptr()))
+        return rc == 0

@@ -1,8 +1,8 @@
-"""The native kernels of csrc/ (decode attention, the heat predictor's MLP): compiled once per machine with the
-system C compiler into one library, loaded through ctypes, and optional — without a compiler (or with
-FLASHMEMORY_NATIVE=0) the pure-torch paths run.
+"""The native kernels of csrc/ (decode attention, the heat predictor's MLP and its per-step statistics):
+compiled once per machine with the system C compiler into one library, loaded through ctypes, and optional —
+without a compiler (or with FLASHMEMORY_NATIVE=0) the pure-torch paths run.
 
-The kernel reads INT4 / INT2 / FP16 block records straight from the KV pools and folds them into an online-softmax
+The decode kernel reads INT4 / INT2 / FP16 block records straight from the KV pools and folds them into an online-softmax
 state, so a decode step never writes a float copy of the quantized window (the torch path's main cost on a CPU).
 """
 
@@ -24,7 +24,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("decode_attention.c", "heat_mlp.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("decode_attention.c", "heat_mlp.c", "access_stats.c"))
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11")
 MAX_BLOCK_TOKENS = 64  # FM_MAX_TOKENS in the C source
 MAX_HEAD_DIM = 256  # FM_MAX_DIM
@@ -89,6 +90,10 @@ def library() -> ctypes.CDLL | None:
                                       _I64, _I64, _I64, _I64, _I64, _I64, _PTR]
     lib.fm_attend_dense.restype = ctypes.c_int
     lib.fm_attend_dense.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR]
+    lib.fm_access_update.restype = ctypes.c_int
+    lib.fm_access_update.argtypes = [_I64] * 6 + [_PTR, _I64] + [_PTR] * 9
+    lib.fm_access_features.restype = ctypes.c_int
+    lib.fm_access_features.argtypes = [_I64] * 6 + [_PTR, _I64, _PTR, _PTR, _I64, _I64] + [_PTR] * 8
     lib.fm_heat_rank.restype = ctypes.c_int
     f32 = ctypes.c_float
     lib.fm_heat_rank.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, f32, _I64, _I64, f32, _I64, f32, _I64,

@@ -8,6 +8,7 @@ import torch
 
 from flashmemory import FlashMemoryEngine
 from flashmemory.errors import ConfigError
+from flashmemory.kvcache import native
 from flashmemory.kvcache.access_stats import FEATURE_NAMES, NUM_FEATURES, AccessStats, StepChoices
 from flashmemory.kvcache.access_trace import ChoiceEvent, TraceRecorder, lru_scores, trace_dataset, trace_steps
 
@@ -110,8 +111,9 @@ def test_empty_or_unreadable_trace_is_a_config_error(tmp_path):
 
 
 def test_statistics_are_the_same_through_views_and_through_gathers():
-    """A step whose candidates are one run of blocks in every layer is read and written through slice views; any
-    other (a subset of layers, gaps between blocks) through gathers. Both give the same features."""
+    """A step whose candidates are one run of blocks in every layer is read and written through slice views (or
+    the native kernel, when built); any other (a subset of layers, gaps between blocks) through gathers. All give
+    the same statistics and features."""
     rng = np.random.default_rng(5)
     layers, heads, n, budget = 3, 2, 12, 4
     fast, gathered = AccessStats(layers, heads), AccessStats(layers, heads)
@@ -132,7 +134,9 @@ def test_statistics_are_the_same_through_views_and_through_gathers():
     both = torch.cat([gathered.features(StepChoices(step, 2, torch.tensor([layer]), ids, scores[layer : layer + 1],
                                                     chosen[layer : layer + 1], torch.zeros(1, heads), 40))
                       for layer in range(layers)], dim=1)
-    assert torch.allclose(fast.features(step_choices), both)
+    assert torch.allclose(fast.features(step_choices), both, atol=1e-5)  # the native kernel sums in another order
+    for name in ("last_step", "count", "observed", "ema", "num_intervals", "interval_sum", "interval_sumsq"):
+        assert torch.equal(getattr(fast, name), getattr(gathered, name)), name
     col = {name: i for i, name in enumerate(FEATURE_NAMES)}
     f = fast.features(step_choices)
     assert f[col["num_intervals"]].max() == 1.0  # the interval ring wrapped around
@@ -156,3 +160,23 @@ def test_sequences_decoding_in_one_batch_are_grouped_per_sequence_and_step():
     groups = trace_steps(events)
     assert [(seq, g[0].step, [e.layer for e in g]) for seq, g in groups] == [
         (seq, 10 * seq + step, [0, 1]) for step in range(3) for seq in (0, 1)]
+
+
+@pytest.mark.skipif(native.library() is None, reason="no C compiler: the kernel cannot be built here")
+def test_native_statistics_equal_the_torch_reference():
+    rng = np.random.default_rng(9)
+    layers, heads, n, budget = 4, 3, 40, 7
+    kernel, reference = AccessStats(layers, heads), AccessStats(layers, heads)
+    reference._lib = None
+    ids = torch.arange(5, 5 + n)
+    for step in range(60):  # long enough for the interval rings to wrap
+        scores = torch.from_numpy(rng.normal(size=(layers, heads, n)).astype(np.float32))
+        chosen = (scores + torch.from_numpy(rng.normal(size=(layers, heads, n)).astype(np.float32))).topk(
+            budget, dim=-1).indices
+        step_choices = StepChoices(100 + step, 1 + step % 2, torch.arange(layers), ids, scores, chosen,
+                                   torch.from_numpy(rng.normal(size=(layers, heads)).astype(np.float32)), 60)
+        kernel.update(step_choices)
+        reference.update(step_choices)
+        assert torch.allclose(kernel.features(step_choices), reference.features(step_choices), atol=1e-5)
+    for name in ("last_step", "count", "observed", "ema", "ring", "num_intervals", "interval_sum", "interval_sumsq"):
+        assert torch.equal(getattr(kernel, name), getattr(reference, name)), name
