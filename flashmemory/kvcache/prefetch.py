@@ -46,7 +46,8 @@ DEPTH = {"aggressive": 2.0, "adaptive": 1.0}  # wanted blocks per KV head, as a 
 ADAPTIVE_DEPTH_RANGE = (1.0, 3.0)
 ADAPTIVE_DEPTH_STEP = 0.25
 ADAPT_EVERY_LOOKUPS = 256  # segment lookups between two adaptive depth changes
-ADAPTIVE_TARGET_HIT_RATE = 0.9  # below it (and readers keeping up) the depth grows
+ADAPTIVE_TARGET_HIT_RATE = 0.97  # below it (and readers keeping up) the depth grows
+ADAPTIVE_SATURATED_HIT_RATE = 0.995  # above it the depth shrinks (fewer reads for the same hits)
 RETAIN_FACTOR = 2.0  # a staged segment stays while its block ranks within RETAIN_FACTOR x the wanted set
 
 
@@ -314,7 +315,7 @@ class Prefetcher:
             self.depth = max(low, self.depth - ADAPTIVE_DEPTH_STEP)
         elif hit_rate < ADAPTIVE_TARGET_HIT_RATE:
             self.depth = min(high, self.depth + ADAPTIVE_DEPTH_STEP)
-        elif hit_rate > 0.97:
+        elif hit_rate > ADAPTIVE_SATURATED_HIT_RATE:
             self.depth = max(low, self.depth - ADAPTIVE_DEPTH_STEP)
         self._window = [0, 0, 0]
 
