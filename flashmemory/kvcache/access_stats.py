@@ -50,9 +50,9 @@ class LayerChoice:
     layer: int
     level: int  # 1 = L1 (host), 2 = L2 (disk)
     indices: torch.Tensor  # [n] int64 logical block indices of the candidates (the same object for every layer)
-    scores: torch.Tensor  # [heads, n] float32 Quest upper-bound scores
-    chosen: torch.Tensor  # [heads, budget] int64 positions into `indices`
-    query_mean: torch.Tensor  # [heads] float32 mean of the query heads sharing each KV head
+    scores: torch.Tensor  # [heads, n] float32 Quest upper-bound scores (on the compute device)
+    chosen: torch.Tensor  # [heads, budget] int64 positions into `indices` (on the compute device)
+    query_mean: torch.Tensor  # [heads] float32 mean of the query heads sharing each KV head (compute device)
     num_blocks: int  # full blocks of the sequence
     slots: torch.Tensor  # [n] int64 the candidates' slots on their level (the same object for every layer)
 
@@ -83,9 +83,10 @@ class StepChoices:
         model is trained on offline."""
         first = choices[0]
         return cls(first.step, first.level, torch.tensor([c.layer for c in choices], dtype=torch.int64),
-                   first.indices.to(torch.int64), torch.stack([c.scores for c in choices]).half().float(),
-                   torch.stack([c.chosen for c in choices]).to(torch.int64),
-                   torch.stack([c.query_mean for c in choices]).float(), first.num_blocks, first.slots)
+                   first.indices.to(torch.int64).cpu(), torch.stack([c.scores for c in choices]).half().float().cpu(),
+                   torch.stack([c.chosen for c in choices]).to(torch.int64).cpu(),
+                   torch.stack([c.query_mean for c in choices]).float().cpu(), first.num_blocks,
+                   first.slots.to(torch.int64).cpu())
 
 
 class AccessStats:

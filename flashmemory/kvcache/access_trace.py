@@ -41,9 +41,9 @@ class TraceRecorder:
 
     def on_choose(self, choice: LayerChoice) -> None:
         self.events.append(ChoiceEvent(
-            choice.seq_id, choice.step, choice.layer, choice.level, choice.indices.numpy().astype(np.int32),
-            choice.scores.numpy().astype(np.float16), choice.chosen.numpy().astype(np.int32),
-            choice.query_mean.numpy().astype(np.float32), choice.num_blocks))
+            choice.seq_id, choice.step, choice.layer, choice.level, choice.indices.cpu().numpy().astype(np.int32),
+            choice.scores.float().cpu().numpy().astype(np.float16), choice.chosen.cpu().numpy().astype(np.int32),
+            choice.query_mean.float().cpu().numpy(), choice.num_blocks))
 
     def on_step_end(self, seq_id: int) -> None:
         pass

@@ -247,9 +247,9 @@ class TieredKVCache(PlacementMixin, KVCache):
         heads = scores.shape[0]
         if plan.index_tensor is None:
             plan.index_tensor = torch.as_tensor(plan.indices, dtype=torch.int64)
-        choice = LayerChoice(plan.seq_id, plan.position, layer, int(level), plan.index_tensor, scores.float().cpu(),
-                             chosen.cpu(), q[0].float().reshape(heads, -1).mean(dim=1).cpu(), plan.num_blocks,
-                             plan.slot_tensor.cpu())
+        # Tensors stay where they are (on a GPU: no sync per layer); the observers move a whole step at once.
+        choice = LayerChoice(plan.seq_id, plan.position, layer, int(level), plan.index_tensor, scores, chosen,
+                             q[0].float().reshape(heads, -1).mean(dim=1), plan.num_blocks, plan.slot_tensor)
         for observer in self.choice_observers:
             observer.on_choose(choice)
         return chosen
