@@ -10,7 +10,8 @@ import torch
 
 from flashmemory.errors import ConfigError
 from flashmemory.kvcache.blocks import Level
-from flashmemory.kvcache.device_staging import CopyPairs, DeviceStaging, ThreadCopier
+from flashmemory.kvcache.copiers import CopyPairs, ThreadCopier
+from flashmemory.kvcache.device_staging import DeviceStaging
 from flashmemory.kvcache.pools import TensorPool
 from flashmemory.kvcache.tiered_config import KV_DTYPE, level_codecs
 
@@ -279,7 +280,7 @@ def test_zero_capacity_reads_everything_on_demand_and_bad_settings_raise(pool):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_stream_copier_serves_pinned_l1_records_bit_identically():
-    from flashmemory.kvcache.device_staging import CudaStreamCopier
+    from flashmemory.kvcache.copiers import CudaStreamCopier
 
     codec = level_codecs("mixed", BLOCK, DIM)[Level.HOST]
     pool = TensorPool(Level.HOST, codec, SLOTS, LAYERS, HEADS, BLOCK, DIM, CPU, pin_memory=True)
