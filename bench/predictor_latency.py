@@ -21,8 +21,8 @@ import time
 import numpy as np
 import torch
 
-from flashmemory.kvcache.access_stats import COLUMN, NUM_FEATURES
-from flashmemory.kvcache.heat_predictor import ELIGIBLE_EMA, ELIGIBLE_MARGIN, HeatPredictor
+from flashmemory.kvcache.access_stats import NUM_FEATURES
+from flashmemory.kvcache.heat_predictor import HeatPredictor, eligible_rows
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         rng = np.random.default_rng(0)
         spread = rng.normal(size=(NUM_FEATURES, args.rows)).astype(np.float32)
         x = torch.from_numpy(predictor.w["mean"][:, None] + predictor.w["std"][:, None] * spread)
-    eligible = (x[COLUMN["score_margin"]] > ELIGIBLE_MARGIN) | (x[COLUMN["ema"]] > ELIGIBLE_EMA)
+    eligible = eligible_rows(x)
     rows_major = x.T.contiguous()
     result = {"rows": x.shape[1], "source": args.trace or "synthetic", "eligible_fraction": float(eligible.float().mean()),
               "parameters": predictor.num_parameters, "kernel": predictor._lib is not None,

@@ -54,7 +54,7 @@ class LayerChoice:
     chosen: torch.Tensor  # [heads, budget] int64 positions into `indices` (on the compute device)
     query_mean: torch.Tensor  # [heads] float32 mean of the query heads sharing each KV head (compute device)
     num_blocks: int  # full blocks of the sequence
-    slots: torch.Tensor  # [n] int64 the candidates' slots on their level (the same object for every layer)
+    slots: torch.Tensor | None  # [n] int64 the candidates' slots on their level (None in a replayed trace)
 
 
 @dataclass
@@ -86,7 +86,7 @@ class StepChoices:
                    first.indices.to(torch.int64).cpu(), torch.stack([c.scores for c in choices]).half().float().cpu(),
                    torch.stack([c.chosen for c in choices]).to(torch.int64).cpu(),
                    torch.stack([c.query_mean for c in choices]).float().cpu(), first.num_blocks,
-                   first.slots.to(torch.int64).cpu())
+                   None if first.slots is None else first.slots.to(torch.int64).cpu())
 
 
 class AccessStats:

@@ -104,14 +104,11 @@ def trace_steps(events: list[ChoiceEvent]) -> list[tuple[int, list[ChoiceEvent]]
 
 
 def stack_events(group: list[ChoiceEvent]) -> StepChoices:
-    """A recorded group (trace_steps) as the StepChoices the prefetcher builds online."""
-    first = group[0]
-    return StepChoices(first.step, first.level, torch.tensor([e.layer for e in group], dtype=torch.int64),
-                       torch.from_numpy(first.indices.astype(np.int64)),
-                       torch.from_numpy(np.stack([e.scores for e in group]).astype(np.float32)),
-                       torch.from_numpy(np.stack([e.chosen for e in group]).astype(np.int64)),
-                       torch.from_numpy(np.stack([e.query_mean for e in group]).astype(np.float32)),
-                       first.num_blocks)
+    """A recorded group (trace_steps) as the StepChoices the prefetcher builds online (through the same stack)."""
+    return StepChoices.stack([
+        LayerChoice(e.seq_id, e.step, e.layer, e.level, torch.from_numpy(e.indices), torch.from_numpy(e.scores),
+                    torch.from_numpy(e.chosen), torch.from_numpy(e.query_mean), e.num_blocks, None)
+        for e in group])
 
 
 def trace_dataset(trace: TraceRecorder, horizon_steps: int = 1, levels: tuple[int, ...] = (2,),

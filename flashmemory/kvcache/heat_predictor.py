@@ -37,6 +37,11 @@ ELIGIBLE_EMA = 0.05
 _BELOW = -100.0  # offset of ineligible rows' LRU scores (in [-2, 0]); the MLP's logits on real rows stay within +-30
 
 
+def eligible_rows(features: torch.Tensor) -> torch.Tensor:
+    """Which feature-major rows [NUM_FEATURES, rows] the MLP ranks (the C kernel applies the same rule)."""
+    return (features[COLUMN["score_margin"]] > ELIGIBLE_MARGIN) | (features[COLUMN["ema"]] > ELIGIBLE_EMA)
+
+
 class HeatPredictor:
     """Owns the MLP's weights and the feature normalization; scores feature rows."""
 
@@ -99,8 +104,7 @@ class HeatPredictor:
             h = torch.relu(torch.addmm(w["b2"], h, w["w2"]))
             logits = torch.addmm(w["b3"], h, w["w3"])[:, 0]
             if eligible_only:
-                eligible = (x[COLUMN["score_margin"]] > ELIGIBLE_MARGIN) | (x[COLUMN["ema"]] > ELIGIBLE_EMA)
-                logits = torch.where(eligible, logits, lru_scores(x.T) + _BELOW)
+                logits = torch.where(eligible_rows(x), logits, lru_scores(x.T) + _BELOW)
             return logits.numpy()
 
     def predict(self, features: np.ndarray) -> np.ndarray:

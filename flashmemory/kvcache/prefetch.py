@@ -59,6 +59,12 @@ class _Staged:
     used: bool = False
 
 
+def _any_head(top: torch.Tensor, n: int) -> torch.Tensor:
+    """[layers, n] mask of the candidates some KV head ranks in its top ones (top: [layers, heads, k] positions)."""
+    layers = top.shape[0]
+    return torch.zeros((layers, n), dtype=torch.bool).scatter_(1, top.reshape(layers, -1), True)
+
+
 class Prefetcher:
     """Owns the L2 staging area, the per-sequence access statistics, the ranker and the reader threads."""
 
@@ -125,13 +131,12 @@ class Prefetcher:
         if cold is None or cold.indices.numel() == 0:
             self._want(seq_id, {})
         else:
-            scores = self._rank(stats, cold)
-            layers, heads, n = scores.shape
+            scores = self._rank(stats, cold)  # [layers, heads, n]
+            n = scores.shape[2]
             keep = min(n, math.ceil(self.depth * cold.budget))
             retain = min(n, math.ceil(RETAIN_FACTOR * keep))
             top = scores.topk(retain, dim=-1, sorted=True).indices  # [layers, heads, retain], hottest first
-            wanted = torch.zeros((layers, n), dtype=torch.bool).scatter_(1, top[..., :keep].reshape(layers, -1), True)
-            retained = torch.zeros((layers, n), dtype=torch.bool).scatter_(1, top.reshape(layers, -1), True)
+            wanted, retained = _any_head(top[..., :keep], n), _any_head(top, n)
             assert cold.slots is not None
             slots = cold.slots.numpy()
 
@@ -163,11 +168,10 @@ class Prefetcher:
     def _stage_warm(self, seq_id: int, stats: AccessStats, warm: StepChoices) -> None:
         """Each layer's L1 blocks the next step most likely reads, hottest first, to the device staging area."""
         assert self.device_staging is not None and warm.slots is not None
-        scores = self._rank(stats, warm)
-        layers, heads, n = scores.shape
+        scores = self._rank(stats, warm)  # [layers, heads, n]
+        n = scores.shape[2]
         keep = min(n, math.ceil(self.depth * warm.budget))
-        top = scores.topk(keep, dim=-1).indices.reshape(layers, -1)
-        wanted = torch.zeros((layers, n), dtype=torch.bool).scatter_(1, top, True)
+        wanted = _any_head(scores.topk(keep, dim=-1).indices, n)
         heat = torch.where(wanted, scores.amax(dim=1), float("-inf"))  # a block is as hot as its hottest head
         order = heat.argsort(dim=1, descending=True)
         counts = wanted.sum(dim=1).tolist()
