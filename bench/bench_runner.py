@@ -1,6 +1,6 @@
 """Benchmark: FlashMemory's runner vs Hugging Face transformers' `generate` on the same weights.
 
-Kept for the commands in older notes; the benchmark itself is `flashmemory bench` (flashmemory/bench/), which
+Kept for the commands in older notes; the benchmark itself is `flashmemory bench` (flashmemory/tools/bench/), which
 this script calls with the two engines it used to compare:
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_runner.py --lengths 512 2048 --runs 3 [--dtype bfloat16]

@@ -21,8 +21,8 @@ import time
 import numpy as np
 import torch
 
-from flashmemory.kvcache.access_stats import NUM_FEATURES
-from flashmemory.kvcache.heat_predictor import HeatPredictor, eligible_rows
+from flashmemory.kvcache.prefetch.access_stats import NUM_FEATURES
+from flashmemory.kvcache.prefetch.heat_predictor import HeatPredictor, eligible_rows
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -38,8 +38,8 @@ def _median_ms(fn, repeats: int) -> float:
 
 def _last_l2_step(path: str) -> torch.Tensor:
     """Feature rows [F, rows] of the trace's last L2 step (every layer), after replaying the whole trace."""
-    from flashmemory.kvcache.access_stats import AccessStats, StepChoices
-    from flashmemory.kvcache.access_trace import TraceRecorder, stack_events, trace_steps
+    from flashmemory.kvcache.prefetch.access_stats import AccessStats, StepChoices
+    from flashmemory.kvcache.prefetch.access_trace import TraceRecorder, stack_events, trace_steps
 
     trace = TraceRecorder.load(path)
     layers = 1 + max(e.layer for e in trace.events)

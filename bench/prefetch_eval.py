@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from flashmemory import FlashMemoryEngine
-from flashmemory.kvcache.access_trace import trace_dataset
-from flashmemory.kvcache.heat_predictor import HeatPredictor, compare_with_lru
-from flashmemory.kvcache.prefetch import Prefetcher
+from flashmemory.kvcache.prefetch.access_trace import trace_dataset
+from flashmemory.kvcache.prefetch.heat_predictor import HeatPredictor, compare_with_lru
+from flashmemory.kvcache.prefetch.prefetcher import Prefetcher
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 MODES = ("none", "lru", "predictor")

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from flashmemory.bench.command import add_bench_command
+from flashmemory.tools.bench.command import add_bench_command
 from flashmemory.errors import FlashMemoryError
 
 EXIT_ERROR = 1

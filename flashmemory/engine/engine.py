@@ -16,7 +16,7 @@ from flashmemory.engine.sampling import Sampler, SamplingParams
 from flashmemory.engine.stats import GenerationStats, peak_memory
 from flashmemory.engine.stop import StopStringMatcher
 from flashmemory.errors import ConfigError, PromptTooLongError
-from flashmemory.kvcache.budget import DevicePlan, plan_device, tiered_config
+from flashmemory.engine.sizing import DevicePlan, plan_device, tiered_config
 from flashmemory.kvcache.contiguous import ContiguousKVCache
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
 from flashmemory.kvcache.tiered import TieredKVCache

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flashmemory.kvcache.attention import causal_attention
+from flashmemory.kvcache.attention.dense import causal_attention
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
 
 GROWTH_TOKENS = 256  # capacity is rounded up to this, then doubled, so a long generation reallocates O(log n) times

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from flashmemory.errors import CapacityError
-from flashmemory.kvcache.blocks import BlockManager, Level
-from flashmemory.kvcache.tiered_config import KV_DTYPE
+from flashmemory.kvcache.manager.blocks import BlockManager, Level
+from flashmemory.kvcache.config import KV_DTYPE
 
 if TYPE_CHECKING:
-    from flashmemory.kvcache.disk_pool import DiskPool
-    from flashmemory.kvcache.pools import TensorPool
+    from flashmemory.kvcache.levels.disk_pool import DiskPool
+    from flashmemory.kvcache.levels.tensor_pool import TensorPool
     from flashmemory.kvcache.quant import Codec
-    from flashmemory.kvcache.tiered_config import TieredCacheConfig
+    from flashmemory.kvcache.config import TieredCacheConfig
 
 
 class PlacementMixin:

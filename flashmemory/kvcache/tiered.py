@@ -17,19 +17,19 @@ import torch
 
 from flashmemory.errors import CapacityError
 from flashmemory.kvcache import native
-from flashmemory.kvcache.access_trace import TraceRecorder
-from flashmemory.kvcache.blocks import BlockManager, Level
-from flashmemory.kvcache.device_staging import DeviceStaging
-from flashmemory.kvcache.disk_pool import DiskPool
-from flashmemory.kvcache.heat_predictor import HeatPredictor
+from flashmemory.kvcache.prefetch.access_trace import TraceRecorder
+from flashmemory.kvcache.manager.blocks import BlockManager, Level
+from flashmemory.kvcache.prefetch.device_staging import DeviceStaging
+from flashmemory.kvcache.levels.disk_pool import DiskPool
+from flashmemory.kvcache.prefetch.heat_predictor import HeatPredictor
 from flashmemory.kvcache.interface import ForwardBatch, KVCache, SequenceSlice
 from flashmemory.kvcache.placement import PlacementMixin
-from flashmemory.kvcache.pools import TensorPool
-from flashmemory.kvcache.prefetch import Prefetcher
-from flashmemory.kvcache.selection import key_digest
-from flashmemory.kvcache.tiered_attention import merge_partials, partial_attention
-from flashmemory.kvcache.tiered_config import KV_DTYPE, TieredCacheConfig, level_codecs
-from flashmemory.kvcache.tiered_read import ChoiceObserver, LevelPlan, ReadPathMixin
+from flashmemory.kvcache.levels.tensor_pool import TensorPool
+from flashmemory.kvcache.prefetch.prefetcher import Prefetcher
+from flashmemory.kvcache.read.selection import key_digest
+from flashmemory.kvcache.attention.partial import merge_partials, partial_attention
+from flashmemory.kvcache.config import KV_DTYPE, TieredCacheConfig, level_codecs
+from flashmemory.kvcache.read.reader import ChoiceObserver, LevelPlan, ReadPathMixin
 
 log = logging.getLogger(__name__)
 

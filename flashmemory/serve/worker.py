@@ -24,9 +24,9 @@ from flashmemory.errors import CapacityError, FlashMemoryError
 from flashmemory.kvcache.interface import ForwardBatch
 from flashmemory.kvcache.tiered import TieredKVCache
 from flashmemory.model.tokenizer import IncrementalDetokenizer
-from flashmemory.serve.kv_budget import KVBudget
+from flashmemory.kvcache.manager.capacity import KVBudget
 from flashmemory.serve.metrics import ServerMetrics
-from flashmemory.serve.scheduler import Scheduler, Sequence, SequenceStatus, StepPlan
+from flashmemory.engine.scheduler import Scheduler, Sequence, SequenceStatus, StepPlan
 from flashmemory.serve.stats_log import StatsLogger
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from flashmemory.errors import ConfigError
-from flashmemory.kvcache.access_trace import TraceRecorder
+from flashmemory.kvcache.prefetch.access_trace import TraceRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ def train_from_traces(train_paths: list[str], held_out_paths: list[str], out: st
     texts), per level. Returns the figures."""
     import numpy as np
 
-    from flashmemory.kvcache.access_trace import trace_dataset
-    from flashmemory.kvcache.heat_predictor import compare_with_lru, train_heat_predictor
+    from flashmemory.kvcache.prefetch.access_trace import trace_dataset
+    from flashmemory.kvcache.prefetch.heat_predictor import compare_with_lru, train_heat_predictor
 
     def dataset(paths: list[str], levels: tuple[int, ...]):
         parts = [trace_dataset(TraceRecorder.load(p), horizon_steps, levels) for p in paths]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashmemory import FlashMemoryEngine
-from flashmemory.kvcache.blocks import Level
+from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.contiguous import ContiguousKVCache
 
 TINY_LEVELS = dict(block_size=8, active_window=16, warm_tokens=16, prefill_chunk_tokens=24, cpu_memory_gb=0.01,

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 
 from flashmemory import FlashMemoryEngine
-from flashmemory.kvcache.blocks import Level
+from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.tiered import TieredKVCache
 from tests.serve.conftest import TINY_KV, live_server
 

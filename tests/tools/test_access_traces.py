@@ -9,8 +9,8 @@ import pytest
 
 from flashmemory.cli import main
 from flashmemory.errors import ConfigError
-from flashmemory.kvcache.access_trace import ChoiceEvent, TraceRecorder
-from flashmemory.kvcache.heat_predictor import HeatPredictor
+from flashmemory.kvcache.prefetch.access_trace import ChoiceEvent, TraceRecorder
+from flashmemory.kvcache.prefetch.heat_predictor import HeatPredictor
 from flashmemory.tools.access_traces import text_windows
 
 

@@ -1,0 +1,255 @@
+"""Scheduler: continuous batching over the KV levels — who runs this step, who waits, who is preempted (no torch).
+
+Every step each running sequence gets its pending tokens (1 when decoding, a chunk when prefilling) within a
+token budget; waiting sequences join as soon as every KV level has room for them, and finished ones leave.
+There is no fixed batch size: admission and preemption are decided by the blocks each level has left
+(KVBudget). When a step would overflow a level, the most recently admitted sequence is preempted:
+
+- L0 (device) full: it is *demoted* — its L0 copies are dropped (its FP16 copies stay in L1, the rest in L2)
+  and it is parked; it resumes, promoted back to L0 from the FP16 copies, once L0 has room again.
+- L1 or L2 full: its blocks are freed on every level and it waits at the head of the queue; on resuming, its
+  prompt and the tokens it already generated are prefilled again (recompute).
+
+Either way its generated tokens are kept: a preempted request is resumed, never dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from flashmemory.kvcache.manager.blocks import Level
+from flashmemory.kvcache.manager.capacity import KVBudget
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"  # no KV in the cache (new, or preempted by recompute)
+    RUNNING = "running"  # in the cache with its L0 copies; scheduled every step
+    PARKED = "parked"  # preempted by demotion: KV in L1/L2 and a staging row, nothing else in L0
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation stream (one choice of one request): its tokens and how many of them the KV cache holds."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    max_tokens: int  # generated tokens at most (already capped by the context length)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens to run through the model before the next one can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:p] + self.output_ids[max(0, start - p) : end - p]
+
+
+@dataclass
+class StepPlan:
+    """One step's decisions, applied to the cache in field order before the forward."""
+
+    demoted: list[Sequence] = field(default_factory=list)  # drop their L0 copies (park them)
+    recomputed: list[Sequence] = field(default_factory=list)  # free them on every level (they wait again)
+    promoted: list[Sequence] = field(default_factory=list)  # parked ones resuming: restore their L0 copies
+    admitted: list[Sequence] = field(default_factory=list)  # new to the cache: add them
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens) in batch order
+
+    @property
+    def num_preempted(self) -> int:
+        return len(self.demoted) + len(self.recomputed)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running batch and the parked (demoted) sequences."""
+
+    def __init__(self, budget: KVBudget, max_num_batched_tokens: int) -> None:
+        if max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")  # internal: the server validates its config
+        self.budget = budget
+        self.max_num_batched_tokens = max_num_batched_tokens  # tokens of one forward (decodes + prefill chunks)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last one is preempted first
+        self.parked: list[Sequence] = []  # preemption order: the first one resumes first
+        self.num_preemptions = {"demote": 0, "recompute": 0}
+        self._step_new_blocks = 0  # the most blocks one scheduled sequence completes this step (see _reserve)
+
+    # ---- lifecycle --------------------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Remove the sequence wherever it is; returns it (its status says whether the cache holds it)."""
+        for queue in (self.running, self.parked, self.waiting):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    return seq
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.parked)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not in the batch: never admitted, preempted by recompute, or parked."""
+        return len(self.waiting) + len(self.parked)
+
+    def unfit_reason(self, num_tokens: int) -> str | None:
+        """Why a sequence that may reach `num_tokens` tokens can never run here, even alone; None when it can."""
+        reserve = {}
+        if self.budget.cold_zone_enabled:  # the largest transient of one step (see _reserve)
+            reserve[Level.HOST] = (self.budget.block_size - 1 + self.max_num_batched_tokens) // self.budget.block_size
+        return self.budget.unfit_reason(num_tokens, reserve)
+
+    def usage(self) -> dict[Level, int]:
+        """Blocks per level the resident sequences hold now (by the budget's placement model)."""
+        return self.budget.usage([s.num_computed_tokens for s in self.running],
+                                 [s.num_computed_tokens for s in self.parked])
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self._step_new_blocks = 0
+        tokens_left = self.max_num_batched_tokens
+        projected: dict[int, int] = {}  # seq_id -> committed tokens after this step, for the scheduled ones
+        i = 0
+        while i < len(self.running) and tokens_left > 0:
+            seq = self.running[i]
+            n = min(seq.num_pending_tokens, tokens_left)
+            if not self._make_room(seq, n, projected, plan):
+                break  # `seq` itself was preempted, and every sequence after it before that
+            self._schedule(seq, n, projected, plan)
+            tokens_left -= n
+            i += 1
+        if plan.num_preempted == 0:
+            # Nothing joins in a step that had to preempt: the newcomer would be the next victim.
+            tokens_left = self._resume_parked(plan, projected, tokens_left)
+            if not self.parked:
+                self._admit_waiting(plan, projected, tokens_left)
+        return plan
+
+    def complete_step(self, plan: StepPlan) -> None:
+        """The forward ran: the scheduled tokens are in the cache."""
+        for seq, n in plan.scheduled:
+            seq.num_computed_tokens += n
+
+    def _projected_usage(self, projected: dict[int, int], extra: Sequence | None = None,
+                         extra_tokens: int = 0) -> dict[Level, int]:
+        running = [projected.get(s.seq_id, s.num_computed_tokens) for s in self.running if s is not extra]
+        if extra is not None:
+            running.append(extra_tokens)
+        return self.budget.usage(running, [s.num_computed_tokens for s in self.parked if s is not extra])
+
+    def _reserve(self, seq: Sequence, n: int, watermark: bool) -> dict[Level, int]:
+        """Blocks to keep free beyond the projected usage when `seq` runs n tokens this step.
+
+        A commit writes its new blocks (an L0 and an L1 copy each) before placement moves the sequence's aged blocks
+        down, so for a moment a level holds up to that many blocks more. Were the level full, the cache would make
+        room by demoting *another* sequence's block early; the reserve keeps that from happening (a lone sequence
+        only ever displaces its own blocks, so it needs none in L0). Admissions also keep a watermark free so a
+        newcomer does not force a preemption on the next step.
+        """
+        reserve = self.budget.watermark() if watermark else {}
+        new_blocks = (seq.num_computed_tokens % self.budget.block_size + n) // self.budget.block_size
+        transient = max(self._step_new_blocks, new_blocks)
+        others_on_device = any(s is not seq for s in self.running)
+        for level in self.budget.capacity_blocks:
+            if (level == Level.DEVICE and others_on_device) or (level == Level.HOST and self.budget.cold_zone_enabled):
+                reserve[level] = reserve.get(level, 0) + transient
+        return reserve
+
+    def _make_room(self, seq: Sequence, n: int, projected: dict[int, int], plan: StepPlan) -> bool:
+        """Preempt from the back until the running batch with `seq` extended by n tokens fits; False if `seq` went."""
+        while True:
+            usage = self._projected_usage({**projected, seq.seq_id: seq.num_computed_tokens + n})
+            level = self.budget.overflow(usage, self._reserve(seq, n, watermark=False))
+            if level is None:
+                return True
+            victim = self.parked[-1] if level != Level.DEVICE and self.parked else self.running[-1]
+            self._preempt(victim, level, plan)
+            if victim is seq:
+                return False
+
+    def _preempt(self, victim: Sequence, level: Level, plan: StepPlan) -> None:
+        victim.num_preemptions += 1
+        if victim.status == SequenceStatus.RUNNING and level == Level.DEVICE:
+            self.running.remove(victim)
+            victim.status = SequenceStatus.PARKED
+            self.parked.append(victim)
+            plan.demoted.append(victim)
+            self.num_preemptions["demote"] += 1
+            return
+        (self.parked if victim.status == SequenceStatus.PARKED else self.running).remove(victim)
+        if victim in plan.demoted:  # parked earlier in this very step: freeing it is enough
+            plan.demoted.remove(victim)
+        victim.status = SequenceStatus.WAITING
+        victim.num_computed_tokens = 0
+        self.waiting.appendleft(victim)
+        plan.recomputed.append(victim)
+        self.num_preemptions["recompute"] += 1
+
+    def _resume_parked(self, plan: StepPlan, projected: dict[int, int], tokens_left: int) -> int:
+        while self.parked and tokens_left > 0:
+            seq = self.parked[0]
+            n = min(seq.num_pending_tokens, tokens_left)
+            usage = self._projected_usage(projected, seq, seq.num_computed_tokens + n)
+            alone = not self.running
+            if self.budget.overflow(usage, self._reserve(seq, n, watermark=not alone)) is not None:
+                break  # in order: a younger parked sequence must not overtake an older one
+            self.parked.pop(0)
+            self._start(seq, n, projected, plan)
+            plan.promoted.append(seq)
+            tokens_left -= n
+        return tokens_left
+
+    def _admit_waiting(self, plan: StepPlan, projected: dict[int, int], tokens_left: int) -> None:
+        while self.waiting and tokens_left > 0:
+            if len(self.running) + len(self.parked) >= self.budget.max_num_seqs:
+                break  # no staging row for the newest block of another sequence
+            seq = self.waiting[0]
+            n = min(seq.num_pending_tokens, tokens_left)
+            usage = self._projected_usage(projected, seq, n)
+            alone = not self.running and not self.parked  # the watermark must not starve a lone request
+            if self.budget.overflow(usage, self._reserve(seq, n, watermark=not alone)) is not None:
+                break
+            self.waiting.popleft()
+            self._start(seq, n, projected, plan)
+            plan.admitted.append(seq)
+            tokens_left -= n
+
+    def _start(self, seq: Sequence, n: int, projected: dict[int, int], plan: StepPlan) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._schedule(seq, n, projected, plan)
+
+    def _schedule(self, seq: Sequence, n: int, projected: dict[int, int], plan: StepPlan) -> None:
+        projected[seq.seq_id] = seq.num_computed_tokens + n
+        plan.scheduled.append((seq, n))
+        new_blocks = (seq.num_computed_tokens % self.budget.block_size + n) // self.budget.block_size
+        self._step_new_blocks = max(self._step_new_blocks, new_blocks)

@@ -1,0 +1,117 @@
+"""Start-up sizing of the KV levels: the device budget check (vLLM-style message) and slot counts per level."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from flashmemory.config import EngineConfig
+from flashmemory.errors import MemoryBudgetError
+from flashmemory.kvcache.manager.blocks import Level
+from flashmemory.kvcache.config import TieredCacheConfig, level_codecs
+from flashmemory.model.model_config import ModelConfig
+
+MIB = 2**20
+GIB = 2**30
+
+
+@dataclass
+class DevicePlan:
+    """How the device budget splits (bytes)."""
+
+    weights_bytes: int
+    workspace_bytes: int
+    staging_bytes: int
+    slot_bytes: int  # one L0 block of every layer
+    device_slots: int
+    device_staging_bytes: int = 0  # L1 blocks copied ahead of need (device_staging_mb)
+
+
+def workspace_bytes(cfg: ModelConfig, chunk_tokens: int, attended_tokens: int, elem: int) -> int:
+    """Peak activation bytes of one prefill chunk: hidden states, fused projections, MLP, attention scores, logits.
+
+    An estimate from shapes (on CUDA a measured peak would replace it); errs high rather than low.
+    """
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_token = (4 * cfg.hidden_size + qkv + 3 * cfg.intermediate_size) * elem
+    scores = cfg.num_heads * chunk_tokens * (attended_tokens + chunk_tokens) * 4 * 2  # fp32 scores + probabilities
+    logits = cfg.vocab_size * 4 * 2
+    return chunk_tokens * per_token + scores + logits
+
+
+def plan_device(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights_bytes: int, dtype: torch.dtype,
+                block_size: int) -> DevicePlan:
+    elem = torch.empty((), dtype=dtype).element_size()
+    codec = level_codecs(engine_cfg.kv_precision, block_size, model_cfg.head_dim)[Level.DEVICE]
+    slot_bytes = codec.nbytes((model_cfg.num_layers, model_cfg.num_kv_heads), block_size, model_cfg.head_dim)
+    staging_one = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * block_size * model_cfg.head_dim * 2
+    staging = engine_cfg.max_num_seqs * staging_one
+    window_slots = engine_cfg.active_window // block_size + 1  # + the attention-sink block
+    attended = engine_cfg.active_window + engine_cfg.warm_budget_tokens + block_size
+    workspace = workspace_bytes(model_cfg, engine_cfg.prefill_chunk_tokens, attended, elem)
+    device_staging = int(engine_cfg.device_staging_mb * MIB)
+    if engine_cfg.max_gpu_memory_mb is None:
+        return DevicePlan(weights_bytes, workspace, staging, slot_bytes, engine_cfg.max_num_seqs * window_slots,
+                          device_staging)
+    budget = engine_cfg.max_gpu_memory_mb * MIB
+    free_for_kv = budget - weights_bytes - workspace - staging - device_staging
+    slots = free_for_kv // slot_bytes if free_for_kv > 0 else 0
+    if slots < window_slots:
+        needed = weights_bytes + workspace + staging + device_staging + window_slots * slot_bytes
+        fp16_per_token = model_cfg.kv_bytes_per_token(2)
+        exact_fit = max(0, (budget - weights_bytes - workspace) // fp16_per_token)
+        max_window = max(0, (slots - 1) * block_size) if slots > 1 else 0
+        raise MemoryBudgetError(
+            f"max_gpu_memory_mb={engine_cfg.max_gpu_memory_mb} is too small: the weights need "
+            f"{weights_bytes / MIB:.0f} MiB, the activation workspace for prefill_chunk_tokens="
+            f"{engine_cfg.prefill_chunk_tokens} about {workspace / MIB:.0f} MiB, the newest blocks of "
+            f"max_num_seqs={engine_cfg.max_num_seqs} sequences {staging / MIB:.1f} MiB, the device staging area "
+            f"(device_staging_mb) {device_staging / MIB:.1f} MiB and the hot KV window "
+            f"(active_window={engine_cfg.active_window}, kv_precision={engine_cfg.kv_precision}) "
+            f"{window_slots * slot_bytes / MIB:.1f} MiB: {needed / MIB:.0f} MiB in all. "
+            f"The largest active_window that fits is {max_window} tokens (an exact FP16 cache would fit "
+            f"{exact_fit} tokens of context). Raise max_gpu_memory_mb to at least {-(-needed // MIB)}, or lower "
+            "active_window, prefill_chunk_tokens, max_num_seqs or device_staging_mb."
+        )
+    return DevicePlan(weights_bytes, workspace, staging, slot_bytes, int(slots), device_staging)
+
+
+def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: DevicePlan, block_size: int,
+                  device: torch.device, fingerprint_source: str) -> TieredCacheConfig:
+    """Slot counts for every level from the budgets."""
+    geometry = ((model_cfg.num_layers, model_cfg.num_kv_heads), block_size, model_cfg.head_dim)
+    codecs = level_codecs(engine_cfg.kv_precision, block_size, model_cfg.head_dim)
+    host_slot = codecs[Level.HOST].nbytes(*geometry)
+    disk_slot = codecs[Level.DISK].nbytes(*geometry)
+    return TieredCacheConfig(
+        num_layers=model_cfg.num_layers,
+        num_kv_heads=model_cfg.num_kv_heads,
+        head_dim=model_cfg.head_dim,
+        device_slots=plan.device_slots,
+        host_slots=max(1, int(engine_cfg.cpu_memory_gb * GIB) // host_slot),
+        disk_slots=max(1, int(engine_cfg.cold_zone_gb * GIB) // disk_slot),
+        block_size=block_size,
+        active_window=engine_cfg.active_window,
+        warm_tokens=engine_cfg.warm_tokens,
+        semantic_truncate_threshold=float(engine_cfg.semantic_truncate_threshold),
+        warm_budget_tokens=engine_cfg.warm_budget_tokens,
+        selection=engine_cfg.selection,
+        kv_precision=engine_cfg.kv_precision,
+        max_num_seqs=engine_cfg.max_num_seqs,
+        cold_zone_enabled=engine_cfg.cold_zone_enabled,
+        cold_zone_dir=engine_cfg.cold_zone_dir,
+        model_fingerprint=hashlib.sha256(fingerprint_source.encode()).digest()[:16],
+        device=device,
+        record_traces=engine_cfg.record_traces,
+        prefetch_strategy=engine_cfg.prefetch_strategy,
+        prefetch_ranker=engine_cfg.prefetch_ranker,
+        prefetch_budget_bytes=int(engine_cfg.prefetch_budget_mb * MIB),
+        heat_predictor_path=engine_cfg.heat_predictor_path,
+        cold_zone_uncached_reads=engine_cfg.cold_zone_uncached_reads,
+        device_staging_bytes=plan.device_staging_bytes,
+    )
+
+
+

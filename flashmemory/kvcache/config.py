@@ -1,0 +1,52 @@
+"""TieredCacheConfig: the shape of the KV hierarchy (slot counts per level, placement and selection policy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flashmemory.kvcache.manager.blocks import Level
+from flashmemory.kvcache.quant import Codec
+
+PRECISIONS = {"fp16": (16, 16, 16), "int4": (4, 16, 4), "mixed": (4, 16, 2)}  # bits on L0, L1, L2
+VALUE_GROUP_CHANNELS = 32  # channels sharing one per-token scale/zero of the values (capped by head_dim)
+
+
+def level_codecs(kv_precision: str, block_size: int, head_dim: int) -> dict[Level, Codec]:
+    """The codec of every level for a precision: keys grouped per block, values per 32 channels."""
+    value_group = min(VALUE_GROUP_CHANNELS, head_dim)
+    return {level: Codec(bits, block_size, value_group) for level, bits in zip(Level, PRECISIONS[kv_precision])}
+KV_DTYPE = torch.float16  # the unquantized KV storage type (the newest block, L1, the "fp16" precision)
+
+
+@dataclass
+class TieredCacheConfig:
+    """Shape of the hierarchy: sizes in slots (one slot = one block of every layer), policies in tokens."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    device_slots: int
+    host_slots: int
+    disk_slots: int
+    block_size: int = 16  # tokens per block
+    active_window: int = 2048  # newest tokens kept in L0
+    warm_tokens: int = 16384  # tokens after the window kept in L1 before moving to L2
+    semantic_truncate_threshold: float = 0.15  # fraction of L2 blocks a decode step attends
+    warm_budget_tokens: int = 2048  # tokens of L1 blocks a decode step attends (selected)
+    selection: str = "quest"  # "quest" (query-aware) or "exact" (attend everything)
+    kv_precision: str = "mixed"  # "fp16" | "int4" | "mixed"
+    num_sink_blocks: int = 1  # first blocks pinned to L0 (attention sinks)
+    max_num_seqs: int = 16  # sequences alive at once (each owns a staging block in L0)
+    cold_zone_enabled: bool = True
+    cold_zone_dir: str | None = None
+    model_fingerprint: bytes = b""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    record_traces: bool = False  # keep a TraceRecorder of every query-aware choice
+    prefetch_strategy: str = "none"  # "none" | "adaptive" | "aggressive" (see prefetch.py)
+    prefetch_ranker: str = "predictor"  # "predictor" | "lru"
+    prefetch_budget_bytes: int = 64 * 2**20  # host bytes of staged (prefetched) L2 segments
+    heat_predictor_path: str | None = None  # None = the weights shipped in the package
+    cold_zone_uncached_reads: bool = False  # posix_fadvise(DONTNEED) after each L2 read
+    device_staging_bytes: int = 0  # device area for L1 blocks copied ahead of need (0 = off; device_staging.py)

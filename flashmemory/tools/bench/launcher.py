@@ -1,0 +1,67 @@
+"""Runs one benchmark job in a fresh Python process and reads back its result line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import flashmemory
+from flashmemory.tools.bench.jobs import FidelityJob, SpeedJob, write_job
+from flashmemory.tools.bench.worker import RESULT_PREFIX
+
+
+def worker_env(num_threads: int) -> dict[str, str]:
+    """The environment of every worker: the same thread count for every engine's OpenMP pool, passive waiting
+    (spinning OpenMP threads lose 10x on a shared machine), and this very copy of the package on the path."""
+    package_root = str(Path(flashmemory.__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH", "")
+    return {
+        **os.environ,
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+        "OMP_NUM_THREADS": str(num_threads),
+        "MKL_NUM_THREADS": str(num_threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": package_root + (os.pathsep + path if path else ""),
+    }
+
+
+class WorkerLauncher:
+    """Owns the run folder and the workers' environment; run() is one process per job."""
+
+    def __init__(self, run_dir: Path, num_threads: int, timeout_s: float | None) -> None:
+        self.run_dir = run_dir
+        self.env = worker_env(num_threads)
+        self.timeout_s = timeout_s
+        self._job_ids = count()
+
+    def run(self, job: SpeedJob | FidelityJob, timeout_s: float | None = None) -> tuple[Any, str | None]:
+        """(result, None) on success, (None, reason) when the engine raised, crashed or ran out of time."""
+        path = write_job(job, self.run_dir / f"job-{next(self._job_ids)}.json")
+        limit = timeout_s if timeout_s is not None else self.timeout_s
+        try:
+            proc = subprocess.run([sys.executable, "-m", "flashmemory.tools.bench.worker", str(path)], capture_output=True,
+                                  text=True, env=self.env, timeout=limit)
+        except subprocess.TimeoutExpired:
+            return None, f"timed out after {limit:.0f} s"
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+        if not lines:
+            return None, _crash_reason(proc.returncode, proc.stderr)
+        payload = json.loads(lines[-1][len(RESULT_PREFIX):])
+        if payload["ok"]:
+            return payload["result"], None
+        return None, payload["error"]
+
+
+def _crash_reason(returncode: int, stderr: str) -> str:
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        hint = " (out of memory?)" if -returncode == signal.SIGKILL else ""
+        return f"worker killed by {name}{hint}"
+    tail = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    return f"worker exited with status {returncode}: {tail[-1] if tail else 'no message'}"

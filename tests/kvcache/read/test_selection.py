@@ -1,0 +1,33 @@
+"""Quest selection: the bound really bounds every key of a block, and the best block is always chosen."""
+
+from __future__ import annotations
+
+import torch
+
+from flashmemory.kvcache.read.selection import block_scores, key_digest, select_blocks
+
+
+def test_block_holding_the_best_matching_key_is_always_selected():
+    torch.manual_seed(0)
+    keys = torch.randn(2, 40, 16, 32)  # [kv heads, blocks, tokens, D]
+    q = torch.randn(6, 32)  # 3 query heads per KV head
+    target = 17
+    keys[:, target, 5] = q.view(2, 3, 32)[:, 0] * 3  # a key aligned with a query head, in block 17
+    chosen = select_blocks(q, key_digest(keys), budget=4)
+    assert chosen.shape == (2, 4)
+    assert (chosen == target).any(dim=1).all()
+    assert (chosen.diff(dim=1) > 0).all()  # ascending, no duplicates
+
+
+def test_bound_is_quests_min_max_bound_and_bounds_every_score():
+    torch.manual_seed(1)
+    keys = torch.randn(1, 10, 16, 8)  # [kv heads, blocks, tokens, D]
+    q = torch.randn(2, 8)
+    lo, hi = keys.amin(2), keys.amax(2)  # [1, b, D]
+    quest = torch.maximum(q[:, None, None] * lo, q[:, None, None] * hi).sum(-1).amax(0)  # [1, b]
+    bound = block_scores(q, key_digest(keys))
+    torch.testing.assert_close(bound, quest, rtol=1e-5, atol=1e-5)
+    scores = torch.einsum("hbtd,gd->hbtg", keys, q).amax(dim=(2, 3))  # best real score per block
+    assert (scores <= bound + 1e-5).all()
+    ranked = torch.argsort(quest[0], descending=True)[:3].sort().values
+    assert torch.equal(select_blocks(q, key_digest(keys), 3)[0], ranked)
