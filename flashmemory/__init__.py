@@ -12,8 +12,8 @@ from flashmemory.errors import (
     SamplingParamsError,
     UnsupportedModelError,
 )
+from flashmemory.version import __version__
 
-__version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",

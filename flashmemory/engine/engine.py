@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -12,20 +11,24 @@ from typing import Any
 import torch
 
 from flashmemory.config import EngineConfig
-from flashmemory.engine.sampling import Sampler, SamplingParams
+from flashmemory.engine.core import EngineCore
+from flashmemory.engine.observer import StepObserver
+from flashmemory.engine.request import SequenceOutput, SequenceRequest
+from flashmemory.engine.sampling import SamplingParams
+from flashmemory.engine.scheduling_policy import FCFS, SchedulingPolicy
 from flashmemory.engine.stats import GenerationStats, peak_memory
-from flashmemory.engine.stop import StopStringMatcher
-from flashmemory.errors import ConfigError, PromptTooLongError
+from flashmemory.errors import ConfigError, FlashMemoryError, PromptTooLongError
 from flashmemory.engine.sizing import DevicePlan, plan_device, tiered_config
 from flashmemory.kvcache.contiguous import ContiguousKVCache
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
 from flashmemory.kvcache.tiered import TieredKVCache
 from flashmemory.model.loader import build_model, open_checkpoint
-from flashmemory.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from flashmemory.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 Messages = list[dict[str, str]]
+Prompt = str | list[int]
 
 
 class FlashMemoryEngine:
@@ -52,9 +55,9 @@ class FlashMemoryEngine:
         self.model = build_model(checkpoint, self.device, self.dtype)
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint.path, checkpoint.config.eos_token_ids)
         self.cache: KVCache = self._build_cache()
-        self._seq_ids = itertools.count()
         self.last_stats = GenerationStats()
         self.last_kv_stats: dict[str, int | float] = {}
+        self._core: EngineCore | None = None
         self.load_seconds = time.perf_counter() - started
         logger.info(
             "loaded %s (%s, %d layers) on %s as %s in %.1f s",
@@ -68,7 +71,7 @@ class FlashMemoryEngine:
             # The exact baseline: model dtype, or FP16 storage when kv_precision="fp16" is asked for.
             kv_dtype = torch.float16 if cfg.kv_precision == "fp16" else self.dtype
             return ContiguousKVCache(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, self.device,
-                                     self.max_seq_len, mc.sliding_window_tokens)
+                                     self.max_seq_len, mc.sliding_window_tokens, cfg.max_num_seqs)
         if mc.sliding_window_tokens is not None and mc.sliding_window_tokens < self.max_seq_len:
             raise ConfigError(
                 f"this model uses sliding-window attention ({mc.sliding_window_tokens} tokens), which the tiered "
@@ -88,17 +91,47 @@ class FlashMemoryEngine:
         block_size = self.config.resolve_block_size(self.max_seq_len)
         return plan_device(self.config, self.model_config, weights, self.dtype, block_size)
 
+    # ---- the engine core ---------------------------------------------------------------------------------------
+
+    @property
+    def core(self) -> EngineCore:
+        """The token loop every generation runs through (rebuilt when the KV cache is replaced)."""
+        if self._core is None or self._core.cache is not self.cache:
+            self._core = EngineCore(self.model, self.cache, self.tokenizer, self.max_seq_len, self.device,
+                                    self.config.prefill_chunk_tokens)
+        return self._core
+
+    def configure_core(self, max_num_batched_tokens: int | None = None, observer: StepObserver | None = None,
+                       policy: SchedulingPolicy | None = None) -> EngineCore:
+        """Replace the core with one of other settings (the server's); no sequence may be live."""
+        if self._core is not None and self._core.num_live:
+            raise ConfigError("the engine core has live sequences; finish or abort them before reconfiguring it")
+        self._core = EngineCore(self.model, self.cache, self.tokenizer, self.max_seq_len, self.device,
+                                max_num_batched_tokens or self.config.prefill_chunk_tokens, observer,
+                                policy or FCFS)
+        return self._core
+
     # ---- public API -------------------------------------------------------------------------------------------
 
-    def generate(self, prompt: str | list[int], **options: Any) -> str:
-        """Complete `prompt` (text or token ids); returns the generated text.
+    def generate(self, prompt: Prompt | list[Prompt], **options: Any) -> str | list[str]:
+        """Complete `prompt` (text or token ids); returns the generated text. A list of prompts (texts, or lists
+        of token ids) runs as one batch and returns one text per prompt, in order.
 
         Options: the SamplingParams fields, and `pinned_spans=[(start, end), ...]`, token ranges of the prompt
         kept in device memory whatever the window (e.g. a system prompt).
         """
+        if _is_batch(prompt):
+            started = time.perf_counter()
+            params, pinned = _request_options(options)
+            prompts = [self._prompt_ids(p) for p in prompt]
+            for ids in prompts:
+                self._check_prompt(ids, params.max_new_tokens)
+            requests = [SequenceRequest(i, ids, params, started, tuple(pinned)) for i, ids in enumerate(prompts)]
+            results = self._run_batch(requests)
+            return ["".join(out.text for out in outs) for outs in results]
         return "".join(self.stream(prompt, **options))
 
-    def stream(self, prompt: str | list[int], **options: Any) -> Iterator[str]:
+    def stream(self, prompt: Prompt, **options: Any) -> Iterator[str]:
         """Complete `prompt`, yielding text pieces as they are decoded."""
         started = time.perf_counter()
         params, pinned = _request_options(options)
@@ -127,8 +160,8 @@ class FlashMemoryEngine:
         params, pinned = _request_options(options)
         prompt_ids = self._prompt_ids(prompt)
         self._check_prompt(prompt_ids, params.max_new_tokens)
-        loop = self._generation_loop(prompt_ids, params, pinned, started)
-        return [token for token, _ in loop if token is not None]
+        request = SequenceRequest(0, prompt_ids, params, started, tuple(pinned))
+        return [out.token_id for out in self._outputs(request) if out.token_id is not None]
 
     def score_tokens(self, token_ids: list[int], num_teacher_forced: int = 0) -> "ScoreResult":
         """Log-probabilities the model gives each next token of `token_ids` (for perplexity and fidelity).
@@ -142,7 +175,7 @@ class FlashMemoryEngine:
         n_prefill = len(token_ids) - num_teacher_forced
         if n_prefill < 1:
             raise ConfigError("num_teacher_forced must leave at least one token to prefill")
-        seq_id = next(self._seq_ids)
+        seq_id = self.core.next_seq_id()
         self.cache.add_sequence(seq_id)
         target = torch.tensor(token_ids[1:], device=self.device)
         prefill_lp: list[torch.Tensor] = []
@@ -175,7 +208,7 @@ class FlashMemoryEngine:
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [len(token_ids), vocab] of one forward over the tokens (for evaluation and tests)."""
         self._check_prompt(token_ids, max_new_tokens=0)
-        seq_id = next(self._seq_ids)
+        seq_id = self.core.next_seq_id()
         self.cache.add_sequence(seq_id)
         try:
             return self._forward(seq_id, token_ids, all_logits=True)
@@ -259,57 +292,81 @@ class FlashMemoryEngine:
     ) -> Iterator[str]:
         self._check_prompt(prompt_ids, params.max_new_tokens)
         # Validation above raises at call time; the generation runs as the caller iterates.
-        return (piece for _, piece in self._generation_loop(prompt_ids, params, pinned, started) if piece)
+        request = SequenceRequest(0, prompt_ids, params, started, tuple(pinned))
+        return (out.text for out in self._outputs(request) if out.text)
 
-    def _generation_loop(
-        self, prompt_ids: list[int], params: SamplingParams, pinned: list[tuple[int, int]], started: float
-    ) -> Iterator[tuple[int | None, str]]:
-        """Yields (token id, text it releases) per generated token, then (None, held-back tail) at the end."""
-        stats = GenerationStats(num_prompt_tokens=len(prompt_ids))
+    def _outputs(self, request: SequenceRequest) -> Iterator[SequenceOutput]:
+        """Run one sequence through the core, yielding its outputs as the steps produce them; the sequence is
+        aborted (its blocks freed) if the caller stops iterating early."""
+        request.capture_kv_stats = True
+        stats = GenerationStats(num_prompt_tokens=len(request.prompt_ids))
         self.last_stats = stats
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        sampler = Sampler(params, self.device)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-        stopper = StopStringMatcher(params.stop)
-        max_new = min(params.max_new_tokens, self.max_seq_len - len(prompt_ids))
-        seq_id = next(self._seq_ids)
-        self.cache.add_sequence(seq_id)
+        core = self.core
+        pending: list[SequenceOutput] = []
+        seq_id = core.add(request, pending.append)
+        done = False
         try:
-            pin = getattr(self.cache, "pin_span", None)  # the contiguous cache keeps everything on the device
-            for start, end in pinned:
-                if pin is not None:
-                    pin(seq_id, start, end)
-            t0 = time.perf_counter()
-            logits = self._forward(seq_id, prompt_ids)[-1]
-            stats.prefill_seconds = time.perf_counter() - t0
-            first_token_at = None
-            stats.finish_reason = "length"
-            for step in range(max_new):
-                token = sampler.sample(logits)
-                stats.num_generated_tokens += 1
-                if first_token_at is None:
-                    first_token_at = time.perf_counter()
-                    stats.time_to_first_token_s = first_token_at - started
-                if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
-                    stats.finish_reason = "stop"
-                    break
-                yield token, stopper.feed(detok.add(token))
-                if stopper.stopped:
-                    stats.finish_reason = "stop"
-                    break
-                if step + 1 < max_new:
-                    logits = self._forward(seq_id, [token])[-1]
-            if not stopper.stopped:
-                tail = stopper.feed(detok.flush()) + stopper.flush()
-                if tail:
-                    yield None, tail
-            if first_token_at is not None:
-                stats.decode_seconds = time.perf_counter() - first_token_at
+            while not done:
+                while not pending:
+                    self._deliver(core.step())
+                out = pending.pop(0)
+                done = out.finish_reason is not None or out.error is not None
+                self._account(stats, request, out)
+                if out.exception is not None:
+                    raise out.exception
+                if out.error is not None:
+                    raise FlashMemoryError(out.error)
+                yield out
         finally:
-            self.last_kv_stats = dict(self.cache.stats())  # as the request ends, before its blocks are freed
-            self.cache.free_sequence(seq_id)
+            if not done:
+                core.abort(seq_id)
             stats.peak_memory_bytes, stats.memory_kind = peak_memory(self.device)
+
+    def _run_batch(self, requests: list[SequenceRequest]) -> list[list[SequenceOutput]]:
+        """Run several sequences as one batch to the end; each one's outputs, in request order."""
+        results: list[list[SequenceOutput]] = [[] for _ in requests]
+        stats = GenerationStats(num_prompt_tokens=sum(len(r.prompt_ids) for r in requests))
+        self.last_stats = stats
+        core = self.core
+        seq_ids = [core.add(r, results[r.index].append) for r in requests]
+        finished = 0
+        try:
+            while finished < len(requests):
+                for sink, out in core.step():
+                    sink(out)
+                    finished += out.finish_reason is not None or out.error is not None
+                    self._account(stats, requests[out.index], out)
+                    if out.exception is not None:
+                        raise out.exception
+                    if out.error is not None:
+                        raise FlashMemoryError(out.error)
+        finally:
+            for seq_id in seq_ids:
+                core.abort(seq_id)  # a no-op for the finished ones
+            stats.peak_memory_bytes, stats.memory_kind = peak_memory(self.device)
+        return results
+
+    @staticmethod
+    def _deliver(deliveries: list[tuple]) -> None:
+        for sink, out in deliveries:
+            sink(out)
+
+    def _account(self, stats: GenerationStats, request: SequenceRequest, out: SequenceOutput) -> None:
+        """Fold one output into the call's GenerationStats (and the KV snapshot taken as it ended)."""
+        stats.num_generated_tokens += out.num_new_tokens
+        if out.num_new_tokens and not stats.first_token_at_s:
+            stats.time_to_first_token_s = out.produced_s - request.arrival_s
+            if out.first_forward_s is not None:
+                stats.prefill_seconds = out.produced_s - out.first_forward_s
+            stats.first_token_at_s = out.produced_s
+        if out.num_new_tokens:
+            stats.decode_seconds = out.produced_s - stats.first_token_at_s
+        if out.finish_reason is not None:
+            stats.finish_reason = out.finish_reason
+            if out.kv_stats:
+                self.last_kv_stats = out.kv_stats
 
 
 @dataclass
@@ -343,3 +400,9 @@ def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:
     if unknown:
         raise ConfigError(f"unknown sampling setting(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
     return SamplingParams(**sampling)
+
+
+def _is_batch(prompt: object) -> bool:
+    """A list of prompts (texts or token-id lists), as opposed to one prompt given as token ids."""
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(p, (str, list, tuple))
+                                                                          for p in prompt)

@@ -3,7 +3,8 @@
 Every step each running sequence gets its pending tokens (1 when decoding, a chunk when prefilling) within a
 token budget; waiting sequences join as soon as every KV level has room for them, and finished ones leave.
 There is no fixed batch size: admission and preemption are decided by the blocks each level has left
-(KVBudget). When a step would overflow a level, the most recently admitted sequence is preempted:
+(KVCapacity, which counts them with the cache's own PlacementPolicy). When a step would overflow a level,
+the scheduling policy's victim (by default the most recently admitted sequence) is preempted:
 
 - L0 (device) full: it is *demoted* — its L0 copies are dropped (its FP16 copies stay in L1, the rest in L2)
   and it is parked; it resumes, promoted back to L0 from the FP16 copies, once L0 has room again.
@@ -17,46 +18,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
 
+from flashmemory.engine.scheduling_policy import FCFS, SchedulingPolicy
+from flashmemory.engine.sequence import Sequence, SequenceStatus
 from flashmemory.kvcache.manager.blocks import Level
-from flashmemory.kvcache.manager.capacity import KVBudget
-
-
-class SequenceStatus(Enum):
-    WAITING = "waiting"  # no KV in the cache (new, or preempted by recompute)
-    RUNNING = "running"  # in the cache with its L0 copies; scheduled every step
-    PARKED = "parked"  # preempted by demotion: KV in L1/L2 and a staging row, nothing else in L0
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One generation stream (one choice of one request): its tokens and how many of them the KV cache holds."""
-
-    seq_id: int
-    prompt_ids: list[int]
-    max_tokens: int  # generated tokens at most (already capped by the context length)
-    output_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
-    status: SequenceStatus = SequenceStatus.WAITING
-    num_preemptions: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def num_pending_tokens(self) -> int:
-        """Tokens to run through the model before the next one can be sampled."""
-        return self.num_tokens - self.num_computed_tokens
-
-    def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output."""
-        p = len(self.prompt_ids)
-        if end <= p:
-            return self.prompt_ids[start:end]
-        return self.prompt_ids[start:p] + self.output_ids[max(0, start - p) : end - p]
+from flashmemory.kvcache.manager.capacity import KVCapacity
 
 
 @dataclass
@@ -77,10 +43,11 @@ class StepPlan:
 class Scheduler:
     """Owns the waiting queue, the running batch and the parked (demoted) sequences."""
 
-    def __init__(self, budget: KVBudget, max_num_batched_tokens: int) -> None:
+    def __init__(self, budget: KVCapacity, max_num_batched_tokens: int, policy: SchedulingPolicy = FCFS) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")  # internal: the server validates its config
-        self.budget = budget
+        self.budget = budget  # the KV levels' capacity, checked before every step
+        self.policy = policy  # who is admitted next and who is preempted first
         self.max_num_batched_tokens = max_num_batched_tokens  # tokens of one forward (decodes + prefill chunks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
@@ -119,17 +86,16 @@ class Scheduler:
         """Sequences not in the batch: never admitted, preempted by recompute, or parked."""
         return len(self.waiting) + len(self.parked)
 
-    def unfit_reason(self, num_tokens: int) -> str | None:
+    def unfit_reason(self, num_tokens: int, pinned_spans: tuple[tuple[int, int], ...] = ()) -> str | None:
         """Why a sequence that may reach `num_tokens` tokens can never run here, even alone; None when it can."""
         reserve = {}
         if self.budget.cold_zone_enabled:  # the largest transient of one step (see _reserve)
             reserve[Level.HOST] = (self.budget.block_size - 1 + self.max_num_batched_tokens) // self.budget.block_size
-        return self.budget.unfit_reason(num_tokens, reserve)
+        return self.budget.unfit_reason(num_tokens, reserve, pinned_spans)
 
     def usage(self) -> dict[Level, int]:
         """Blocks per level the resident sequences hold now (by the budget's placement model)."""
-        return self.budget.usage([s.num_computed_tokens for s in self.running],
-                                 [s.num_computed_tokens for s in self.parked])
+        return self.budget.usage([s.load() for s in self.running] + [s.load(on_device=False) for s in self.parked])
 
     # ---- one step ---------------------------------------------------------------------------------------------
 
@@ -161,10 +127,10 @@ class Scheduler:
 
     def _projected_usage(self, projected: dict[int, int], extra: Sequence | None = None,
                          extra_tokens: int = 0) -> dict[Level, int]:
-        running = [projected.get(s.seq_id, s.num_computed_tokens) for s in self.running if s is not extra]
+        loads = [s.load(projected.get(s.seq_id)) for s in self.running if s is not extra]
         if extra is not None:
-            running.append(extra_tokens)
-        return self.budget.usage(running, [s.num_computed_tokens for s in self.parked if s is not extra])
+            loads.append(extra.load(extra_tokens))
+        return self.budget.usage(loads + [s.load(on_device=False) for s in self.parked if s is not extra])
 
     def _reserve(self, seq: Sequence, n: int, watermark: bool) -> dict[Level, int]:
         """Blocks to keep free beyond the projected usage when `seq` runs n tokens this step.
@@ -191,7 +157,7 @@ class Scheduler:
             level = self.budget.overflow(usage, self._reserve(seq, n, watermark=False))
             if level is None:
                 return True
-            victim = self.parked[-1] if level != Level.DEVICE and self.parked else self.running[-1]
+            victim = self.policy.victim(self.running, self.parked, level)
             self._preempt(victim, level, plan)
             if victim is seq:
                 return False
@@ -232,13 +198,13 @@ class Scheduler:
         while self.waiting and tokens_left > 0:
             if len(self.running) + len(self.parked) >= self.budget.max_num_seqs:
                 break  # no staging row for the newest block of another sequence
-            seq = self.waiting[0]
+            seq = self.policy.next_waiting(self.waiting)
             n = min(seq.num_pending_tokens, tokens_left)
             usage = self._projected_usage(projected, seq, n)
             alone = not self.running and not self.parked  # the watermark must not starve a lone request
             if self.budget.overflow(usage, self._reserve(seq, n, watermark=not alone)) is not None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self._start(seq, n, projected, plan)
             plan.admitted.append(seq)
             tokens_left -= n

@@ -21,6 +21,7 @@ class GenerationStats:
     peak_memory_bytes: int = 0  # peak RSS of the process (CPU) or peak allocated device memory (CUDA)
     memory_kind: str = "RSS"
     finish_reason: str = ""  # "stop" (EOS or stop string) | "length"
+    first_token_at_s: float = 0.0  # time.perf_counter() when the first token was sampled (0 = not yet)
 
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashmemory.kvcache.manager.blocks import Level
+from flashmemory.kvcache.manager.policy import PlacementPolicy
 from flashmemory.kvcache.quant import Codec
 
 PRECISIONS = {"fp16": (16, 16, 16), "int4": (4, 16, 4), "mixed": (4, 16, 2)}  # bits on L0, L1, L2
@@ -17,6 +18,8 @@ def level_codecs(kv_precision: str, block_size: int, head_dim: int) -> dict[Leve
     """The codec of every level for a precision: keys grouped per block, values per 32 channels."""
     value_group = min(VALUE_GROUP_CHANNELS, head_dim)
     return {level: Codec(bits, block_size, value_group) for level, bits in zip(Level, PRECISIONS[kv_precision])}
+
+
 KV_DTYPE = torch.float16  # the unquantized KV storage type (the newest block, L1, the "fp16" precision)
 
 
@@ -49,4 +52,10 @@ class TieredCacheConfig:
     prefetch_budget_bytes: int = 64 * 2**20  # host bytes of staged (prefetched) L2 segments
     heat_predictor_path: str | None = None  # None = the weights shipped in the package
     cold_zone_uncached_reads: bool = False  # posix_fadvise(DONTNEED) after each L2 read
-    device_staging_bytes: int = 0  # device area for L1 blocks copied ahead of need (0 = off; device_staging.py)
+    device_staging_bytes: int = 0  # device area for L1 blocks copied ahead of need (0 = off; prefetch/device_staging.py)
+    attention_backend: str = "auto"  # decode attention: "auto" (the native CPU kernel where it runs), "native", "torch"
+    level_media: dict[Level, str] = field(default_factory=dict)  # a level's medium by name (levels/registry.py)
+
+    def placement_policy(self) -> PlacementPolicy:
+        return PlacementPolicy(self.block_size, self.active_window, self.warm_tokens, self.num_sink_blocks,
+                               self.cold_zone_enabled)

@@ -6,6 +6,7 @@ import torch
 
 from flashmemory.kvcache.attention.dense import causal_attention
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
+from flashmemory.kvcache.manager.capacity import KVCapacity
 
 GROWTH_TOKENS = 256  # capacity is rounded up to this, then doubled, so a long generation reallocates O(log n) times
 
@@ -22,6 +23,7 @@ class ContiguousKVCache(KVCache):
         device: torch.device,
         max_seq_len: int,
         sliding_window_tokens: int | None = None,
+        max_num_seqs: int = 16,
     ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -30,6 +32,7 @@ class ContiguousKVCache(KVCache):
         self.device = device
         self.max_seq_len = max_seq_len
         self.sliding_window_tokens = sliding_window_tokens
+        self.max_num_seqs = max_num_seqs  # the only bound the scheduler checks: the tensors grow on demand
         self._kv: dict[int, torch.Tensor] = {}
         self._lengths: dict[int, int] = {}
 
@@ -48,6 +51,10 @@ class ContiguousKVCache(KVCache):
 
     def num_tokens(self, seq_id: int) -> int:
         return self._lengths[seq_id]
+
+    def kv_capacity(self) -> KVCapacity:
+        """No levels: every sequence's KV grows in place, only the number of sequences is bounded."""
+        return KVCapacity(None, {}, self.max_num_seqs)
 
     def _allocate(self, capacity: int) -> torch.Tensor:
         shape = (self.num_layers, 2, self.num_kv_heads, capacity, self.head_dim)

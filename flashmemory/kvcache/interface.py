@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashmemory.kvcache.manager.capacity import KVCapacity
+
 
 @dataclass(frozen=True)
 class SequenceSlice:
@@ -66,6 +68,22 @@ class KVCache(ABC):
     @abstractmethod
     def num_tokens(self, seq_id: int) -> int:
         """Tokens of the sequence stored so far (committed forwards only)."""
+
+    @abstractmethod
+    def kv_capacity(self) -> KVCapacity:
+        """What the cache can hold (blocks per level and the placement policy), for the scheduler's checks."""
+
+    def pin_span(self, seq_id: int, start: int, end: int) -> None:
+        """Keep tokens [start, end) of the sequence in device memory whatever the window (a cache that keeps
+        everything on the device has nothing to do)."""
+
+    def demote_sequence(self, seq_id: int) -> int:
+        """Drop the sequence's device copies (preemption); a cache without levels never preempts."""
+        raise RuntimeError(f"{type(self).__name__} has no levels to demote to")  # the scheduler never asks it
+
+    def promote_sequence(self, seq_id: int) -> int:
+        """Undo demote_sequence."""
+        raise RuntimeError(f"{type(self).__name__} has no levels to promote from")
 
     def attend(
         self, layer_idx: int, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

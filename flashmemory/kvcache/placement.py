@@ -1,61 +1,78 @@
-"""Placement and pressure for the tiered cache: which level each block lives on, and making room when one is full.
+"""Placement: moves blocks between levels as the PlacementPolicy says, and makes room when a level is full.
 
-Policy: blocks that leave the newest `active_window` tokens drop their L0 copy (the FP16 L1 master copy stays);
-blocks that also leave the next `warm_tokens` are re-encoded from FP16 for L2 and leave L1. Pinned blocks
-never move. A full level demotes the oldest movable block of any sequence; if none can move, CapacityError
-says which setting to change.
+After each commit, blocks the policy no longer wants in L0 drop their L0 copy (the FP16 L1 master copy stays), and
+blocks it wants in L2 are re-encoded from FP16 and leave L1. Pinned blocks never move. Preemption demotes a whole
+sequence (every L0 copy dropped) and promotes it back, re-quantized from FP16, so it reads exactly what it read
+before. A full level demotes the oldest movable block of any sequence; if none can move, CapacityError says which
+setting to change.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from flashmemory.errors import CapacityError
-from flashmemory.kvcache.manager.blocks import BlockManager, Level
 from flashmemory.kvcache.config import KV_DTYPE
-
-if TYPE_CHECKING:
-    from flashmemory.kvcache.levels.disk_pool import DiskPool
-    from flashmemory.kvcache.levels.tensor_pool import TensorPool
-    from flashmemory.kvcache.quant import Codec
-    from flashmemory.kvcache.config import TieredCacheConfig
+from flashmemory.kvcache.levels.protocol import StorageLevel
+from flashmemory.kvcache.manager.blocks import BlockManager, Level
+from flashmemory.kvcache.manager.policy import PlacementPolicy
+from flashmemory.kvcache.quant import Codec
 
 
-class PlacementMixin:
-    """Moves blocks between levels for TieredKVCache (which owns the state named below)."""
+class Placement:
+    """Owns the data moves between levels and the bytes-moved counters."""
 
-    cfg: TieredCacheConfig
-    blocks: BlockManager
-    codecs: dict[Level, Codec]
-    device_pool: TensorPool
-    host_pool: TensorPool
-    disk_pool: DiskPool | None
-    bytes_moved: dict[str, int]
+    def __init__(self, policy: PlacementPolicy, blocks: BlockManager, levels: dict[Level, StorageLevel],
+                 codecs: dict[Level, Codec]) -> None:
+        self.policy = policy
+        self.blocks = blocks
+        self.levels = levels
+        self.codecs = codecs
+        self.bytes_moved: dict[str, int] = {"L0->L1": 0, "L1->L2": 0, "new->L0": 0, "new->L1": 0}
 
-    def _place(self, seq_id: int) -> None:
-        """Move blocks that left the window to L1 and blocks that left the warm span to L2."""
-        cfg = self.cfg
+    def write_new_block(self, seq_id: int, k: torch.Tensor, v: torch.Tensor, pinned: bool) -> int:
+        """A block just filled (k, v [num_layers, num_kv_heads, block_size, head_dim] in KV_DTYPE): its FP16 master
+        copy goes to L1, its hot copy to L0. Returns its logical index."""
+        # Take both slots before the block enters the table, so a full level leaves no half-placed block behind.
+        host_slot = self.allocate(Level.HOST)
+        try:
+            device_slot = self.allocate(Level.DEVICE)
+        except CapacityError:
+            self.blocks.allocators[Level.HOST].free(host_slot)
+            raise
+        host, device = self.levels[Level.HOST], self.levels[Level.DEVICE]
+        host.put(host_slot, self.codecs[Level.HOST].encode(k, v))
+        device.put(device_slot, self.codecs[Level.DEVICE].encode(k, v))
+        index = self.blocks.append_block(seq_id, pinned=pinned)
+        self.blocks.attach(seq_id, index, Level.HOST, host_slot)
+        self.blocks.attach(seq_id, index, Level.DEVICE, device_slot)
+        self.bytes_moved["new->L1"] += host.bytes_per_slot
+        self.bytes_moved["new->L0"] += device.bytes_per_slot
+        return index
+
+    def place(self, seq_id: int) -> None:
+        """Move each block of the sequence to the levels the policy wants it on, by its age."""
         table = self.blocks.tables[seq_id]
         n = len(table.blocks)
-        window_blocks = cfg.active_window // cfg.block_size
-        warm_blocks = cfg.warm_tokens // cfg.block_size
-        for i in range(n):
-            block = table.blocks[i]
+        for i, block in enumerate(table.blocks):
             if block.pinned:
                 continue
-            age = n - 1 - i  # 0 = newest full block
-            if age >= window_blocks and Level.DEVICE in block.slots:
+            wanted = self.policy.levels_for(n - 1 - i, pinned=False)
+            if Level.DEVICE in block.slots and Level.DEVICE not in wanted:
                 self._demote_from_device(seq_id, i)
-            if age >= window_blocks + warm_blocks and block.primary == Level.HOST and self.disk_pool is not None:
+            if Level.DISK in wanted and block.primary == Level.HOST and Level.DISK in self.levels:
                 self._demote_to_disk(seq_id, i)
+
+    def release(self, seq_id: int) -> None:
+        """Free every slot the sequence holds, on every level."""
+        for level, slot in self.blocks.free_sequence(seq_id):
+            self.levels[level].free(slot)
 
     def demote_sequence(self, seq_id: int) -> int:
         """Drop every L0 copy of the sequence's blocks, pinned ones included (preemption under device pressure).
 
         Nothing is lost: every block keeps its FP16 copy in L1 (or its L2 copy). The still-filling block stays in
-        its staging row. Returns the number of blocks demoted.
+        its row. Returns the number of blocks demoted.
         """
         demoted = 0
         for index, block in enumerate(self.blocks.tables[seq_id].blocks):
@@ -66,49 +83,31 @@ class PlacementMixin:
         return demoted
 
     def promote_sequence(self, seq_id: int) -> int:
-        """Undo demote_sequence: restore the L0 copies placement keeps (sinks, pinned spans, the newest window),
+        """Undo demote_sequence: restore the L0 copies the policy keeps (sinks, pinned spans, the newest window),
         re-quantized from the FP16 copies, so attention reads exactly what it read before. Returns the count."""
         table = self.blocks.tables[seq_id]
-        window_blocks = self.cfg.active_window // self.cfg.block_size
         promoted = 0
         for index, block in enumerate(table.blocks):
-            hot = block.pinned or len(table.blocks) - 1 - index < window_blocks
+            hot = Level.DEVICE in self.policy.levels_for(len(table.blocks) - 1 - index, block.pinned)
             if hot and Level.DEVICE not in block.slots:
-                self._promote_to_device(seq_id, index)
+                self.promote_to_device(seq_id, index)
                 promoted += 1
-        self.bytes_moved["L1->L0"] = self.bytes_moved.get("L1->L0", 0) + promoted * self.device_pool.bytes_per_slot
+        device = self.levels[Level.DEVICE]
+        self.bytes_moved["L1->L0"] = self.bytes_moved.get("L1->L0", 0) + promoted * device.bytes_per_slot
         return promoted
 
-    def _demote_from_device(self, seq_id: int, index: int) -> None:
-        # The FP16 master copy stays in L1: dropping the L0 copy loses nothing.
-        self.blocks.detach(seq_id, index, Level.DEVICE)
-        self.bytes_moved["L0->L1"] += self.device_pool.bytes_per_slot
-
-    def _demote_to_disk(self, seq_id: int, index: int) -> None:
-        assert self.disk_pool is not None
+    def promote_to_device(self, seq_id: int, index: int) -> None:
+        """Give block `index` an L0 copy, re-quantized from its FP16 copy when one exists (so promotion never
+        compounds quantization error), else from its L2 copy."""
         block = self.blocks.tables[seq_id].blocks[index]
-        slot = self._allocate(Level.DISK)
-        k, v = self.codecs[Level.HOST].decode(self.host_pool.get_block(block.slots[Level.HOST]), KV_DTYPE)
-        self.disk_pool.put(slot, self.codecs[Level.DISK].encode(k, v))
-        self.blocks.attach(seq_id, index, Level.DISK, slot)
-        self.blocks.detach(seq_id, index, Level.HOST)
-        self.bytes_moved["L1->L2"] += self.disk_pool.bytes_per_slot
-
-    def _promote_to_device(self, seq_id: int, index: int) -> None:
-        # Re-quantize from the FP16 copy when one exists, so promotion never compounds quantization error.
-        block = self.blocks.tables[seq_id].blocks[index]
-        if Level.HOST in block.slots:
-            k, v = self.codecs[Level.HOST].decode(self.host_pool.get_block(block.slots[Level.HOST]), KV_DTYPE)
-        else:
-            assert self.disk_pool is not None
-            layers = [self.disk_pool.get_layer([block.slots[Level.DISK]], layer) for layer in range(self.cfg.num_layers)]
-            parts = {name: torch.cat([p[name] for p in layers]) for name in layers[0]}
-            k, v = self.codecs[Level.DISK].decode(parts, KV_DTYPE)
-        slot = self._allocate(Level.DEVICE)
-        self.device_pool.put(slot, self.codecs[Level.DEVICE].encode(k, v))
+        source = Level.HOST if Level.HOST in block.slots else Level.DISK
+        k, v = self.codecs[source].decode(self.levels[source].read_block(block.slots[source]), KV_DTYPE)
+        slot = self.allocate(Level.DEVICE)
+        self.levels[Level.DEVICE].put(slot, self.codecs[Level.DEVICE].encode(k, v))
         self.blocks.attach(seq_id, index, Level.DEVICE, slot)
 
-    def _allocate(self, level: Level) -> int:
+    def allocate(self, level: Level) -> int:
+        """A free slot on `level`, demoting another block under pressure; CapacityError when nothing can move."""
         slot = self.blocks.allocate(level)
         if slot is None:
             self._make_room(level)
@@ -116,6 +115,24 @@ class PlacementMixin:
         if slot is None:
             raise CapacityError(self._full_message(level))
         return slot
+
+    def _detach(self, seq_id: int, index: int, level: Level) -> None:
+        self.levels[level].free(self.blocks.detach(seq_id, index, level))
+
+    def _demote_from_device(self, seq_id: int, index: int) -> None:
+        # The FP16 master copy stays in L1: dropping the L0 copy loses nothing.
+        self._detach(seq_id, index, Level.DEVICE)
+        self.bytes_moved["L0->L1"] += self.levels[Level.DEVICE].bytes_per_slot
+
+    def _demote_to_disk(self, seq_id: int, index: int) -> None:
+        block = self.blocks.tables[seq_id].blocks[index]
+        slot = self.allocate(Level.DISK)
+        k, v = self.codecs[Level.HOST].decode(self.levels[Level.HOST].read_block(block.slots[Level.HOST]), KV_DTYPE)
+        disk = self.levels[Level.DISK]
+        disk.put(slot, self.codecs[Level.DISK].encode(k, v))
+        self.blocks.attach(seq_id, index, Level.DISK, slot)
+        self._detach(seq_id, index, Level.HOST)
+        self.bytes_moved["L1->L2"] += disk.bytes_per_slot
 
     def _make_room(self, level: Level) -> None:
         """Pressure: demote the oldest movable block of any sequence off `level`."""
@@ -125,7 +142,7 @@ class PlacementMixin:
             for i, block in enumerate(table.blocks):
                 movable = not block.pinned and (
                     (level == Level.DEVICE and Level.DEVICE in block.slots)
-                    or (level == Level.HOST and block.primary == Level.HOST and self.disk_pool is not None)
+                    or (level == Level.HOST and block.primary == Level.HOST and Level.DISK in self.levels)
                 )
                 if movable:
                     age = n - 1 - i
@@ -145,6 +162,6 @@ class PlacementMixin:
             return ("the device KV pool is full of pinned blocks and newest windows; raise max_gpu_memory_mb, "
                     "lower active_window, or run fewer sequences at once")
         if level == Level.HOST:
-            hint = "" if self.disk_pool is not None else " or set cold_zone_enabled=True"
+            hint = "" if Level.DISK in self.levels else " or set cold_zone_enabled=True"
             return f"the host KV pool is full (cpu_memory_gb); raise cpu_memory_gb{hint}"
         return "the cold zone file is full; raise cold_zone_gb or shorten the context"

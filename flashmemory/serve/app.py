@@ -22,7 +22,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from flashmemory import __version__
 from flashmemory.errors import FlashMemoryError
 from flashmemory.serve.api_errors import APIError, error_response
 from flashmemory.serve.config import ServerConfig
@@ -38,6 +37,7 @@ from flashmemory.serve.protocol import (
 )
 from flashmemory.serve.state import ServerState
 from flashmemory.serve.worker import EngineWorker
+from flashmemory.version import __version__
 
 logger = logging.getLogger(__name__)
 

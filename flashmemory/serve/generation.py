@@ -22,7 +22,7 @@ from flashmemory.serve.protocol import (
     sampling_params,
 )
 from flashmemory.serve.state import ServerState
-from flashmemory.serve.worker import SequenceOutput, SequenceRequest
+from flashmemory.engine.request import SequenceOutput, SequenceRequest
 
 _POLL_S = 1.0  # how often a waiting request checks that the engine is still alive
 DONE = "data: [DONE]\n\n"

@@ -6,19 +6,21 @@ import random
 
 import pytest
 
+from flashmemory.engine.scheduler import Scheduler
+from flashmemory.engine.sequence import Sequence, SequenceStatus
 from flashmemory.kvcache.manager.blocks import Level
-from flashmemory.kvcache.manager.capacity import KVBudget
-from flashmemory.engine.scheduler import Scheduler, Sequence, SequenceStatus
+from flashmemory.kvcache.manager.capacity import KVCapacity
+from flashmemory.kvcache.manager.policy import PlacementPolicy
 
 BS = 16
 
 
 def budget(device: int = 1000, host: int = 10_000, disk: int | None = 100_000, window: int = 64, warm: int = 64,
-           max_num_seqs: int = 64) -> KVBudget:
+           max_num_seqs: int = 64) -> KVCapacity:
     capacity = {Level.DEVICE: device, Level.HOST: host}
     if disk is not None:
         capacity[Level.DISK] = disk
-    return KVBudget(BS, window, warm, 1, capacity, max_num_seqs)
+    return KVCapacity(PlacementPolicy(BS, window, warm, 1, cold_zone_enabled=disk is not None), capacity, max_num_seqs)
 
 
 def seq(seq_id: int, prompt_len: int, max_tokens: int) -> Sequence:

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from flashmemory.errors import ColdBlockError, ConfigError
+from flashmemory.kvcache.levels.protocol import Slots
+from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.quant import Codec, Parts
 
 MAGIC = b"FMKV"
@@ -31,6 +33,8 @@ _FIXED = struct.Struct("<4sHBxIIII16s")  # magic, version, bits, layers, heads, 
 
 class DiskPool:
     """Owns the cold-zone file: put/get of encoded blocks by slot, with integrity checks and failure counters."""
+
+    level = Level.DISK
 
     def __init__(
         self,
@@ -61,7 +65,7 @@ class DiskPool:
         self._crcs: dict[int, list[int]] = {}  # slot -> per-layer crc32 of what was written
         # Bumped when a slot is (re)written or freed, before the bytes change: a copy read ahead of need (prefetch)
         # is served only while its slot's generation is the one it was read under.
-        self.generation: dict[int, int] = {}
+        self._generations: dict[int, int] = {}
         self.uncached_reads = False  # drop each read record from the OS page cache (see set_uncached_reads)
         self._counter_lock = threading.Lock()  # reads also come from prefetch threads
         self._owned_dir: tempfile.TemporaryDirectory | None = None
@@ -127,7 +131,7 @@ class DiskPool:
 
     def put(self, slot: int, parts: Parts) -> None:
         """Write a block (parts shaped [num_layers, num_kv_heads, ...]) into `slot` with one pwrite."""
-        self.generation[slot] = self.generation.get(slot, 0) + 1
+        self._generations[slot] = self._generations.get(slot, 0) + 1
         segments = [self._segment(parts, layer) for layer in range(self.num_layers)]
         crcs = [zlib.crc32(s) for s in segments]
         fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, self.codec.bits, self.num_layers, self.lead[0],
@@ -140,9 +144,12 @@ class DiskPool:
 
     def free(self, slot: int) -> None:
         """Forget a slot: its magic is zeroed so stale bytes can never be read back as a block."""
-        self.generation[slot] = self.generation.get(slot, 0) + 1
+        self._generations[slot] = self._generations.get(slot, 0) + 1
         if self._crcs.pop(slot, None) is not None and self._fd >= 0:
             os.pwrite(self._fd, b"\0\0\0\0", slot * self.record_bytes)
+
+    def generation_of(self, slot: int) -> int:
+        return self._generations.get(slot, 0)
 
     def _fail(self, reason: str, message: str, count: bool = True) -> ColdBlockError:
         if count:
@@ -174,10 +181,30 @@ class DiskPool:
         if os.fstat(self._fd).st_nlink == 0:
             raise self._fail("missing", f"cold zone file {self.path} was deleted; its KV blocks are lost")
 
+    def counters(self) -> dict[str, int]:
+        with self._counter_lock:
+            out = {"bytes_read": self.bytes_read}
+            out.update({f"load_failures_{reason}": n for reason, n in self.load_failures.items()})
+        return out
+
+    def check_medium(self) -> None:
+        self.check_file()
+
     def get_layer(self, slots: list[int], layer: int) -> Parts:
         """One layer of several slots: parts [len(slots), num_kv_heads, ...], every segment verified."""
         self.check_file()
         return self.unflatten(b"".join(self.read_segment(slot, layer) for slot in slots), len(slots))
+
+    def read_layer(self, slots: Slots, layer: int) -> Parts:
+        slots = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        return {name: t.transpose(0, 1) for name, t in self.get_layer(slots, layer).items()}
+
+    def read_block(self, slot: int) -> Parts:
+        layers = [self.get_layer([slot], layer) for layer in range(self.num_layers)]  # each [1, heads, ...]
+        return {name: torch.cat([p[name] for p in layers]) for name in layers[0]}
+
+    def parts_from_segments(self, data: bytes, n: int) -> Parts:
+        return self.unflatten(data, n)
 
     def verify_header(self, slot: int) -> None:
         """Check a slot's on-disk header (magic, version, shape, fingerprint, header crc)."""

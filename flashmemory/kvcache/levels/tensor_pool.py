@@ -1,11 +1,11 @@
-"""In-memory KV pools (L0 device arena, L1 host): preallocated slot storage for encoded blocks."""
+"""TensorPool: a KV level in memory (L0 device arena, L1 host), preallocated slot storage for encoded blocks."""
 
 from __future__ import annotations
 
 import torch
 
+from flashmemory.kvcache.levels.protocol import Slots
 from flashmemory.kvcache.manager.blocks import Level
-from flashmemory.kvcache.native import RecordFormat
 from flashmemory.kvcache.quant import Codec, Parts
 
 
@@ -46,6 +46,7 @@ class TensorPool:
         self.storage = torch.empty((num_layers, num_kv_heads, num_slots, offset), dtype=torch.uint8, device=device,
                                    pin_memory=pin_memory)
         self.bytes_per_slot = num_layers * num_kv_heads * offset
+        self.segment_bytes = num_kv_heads * offset
         # Bumped by put() before it writes a slot: a copy of a slot's bytes (device staging) is served only while
         # the slot's generation is the one the copy was issued under. On the CPU whatever the pool's device.
         self.generation = torch.zeros(num_slots, dtype=torch.int64)
@@ -54,15 +55,9 @@ class TensorPool:
     def capacity_bytes(self) -> int:
         return self.num_slots * self.bytes_per_slot
 
-    @property
-    def record_format(self) -> RecordFormat:
-        """The record layout, for the decode kernel that reads blocks straight from storage."""
-        offsets = {name: off for name, (off, *_) in self.layout.items()}
-        c = self.codec
-        if c.bits == 16:
-            return RecordFormat(16, self.block_size, c.key_group_tokens, c.value_group_channels, offsets["kv"])
-        return RecordFormat(c.bits, self.block_size, c.key_group_tokens, c.value_group_channels, offsets["codes"],
-                            offsets["k_scale"], offsets["k_zero"], offsets["v_scale"], offsets["v_zero"])
+    def offset_of(self, part: str) -> int:
+        """Byte offset of a codec part inside each record (0 for a part the codec does not have)."""
+        return self.layout[part][0] if part in self.layout else 0
 
     def _parts(self, records: torch.Tensor) -> Parts:
         """Views of the parts inside records [..., record_bytes] -> {name: [..., *shape]}."""
@@ -78,6 +73,35 @@ class TensorPool:
             off, size, _, dtype = self.layout[name]
             raw = tensor.to(dtype).contiguous().view(torch.uint8).reshape(*record.shape[:2], size)
             record[..., off : off + size].copy_(raw, non_blocking=True)
+
+    def free(self, slot: int) -> None:
+        """Nothing to release in memory; the generation moves on so no earlier copy of the slot is served."""
+        self.generation[slot] += 1
+
+    def generation_of(self, slot: int) -> int:
+        return int(self.generation[slot])
+
+    def read_layer(self, slots: Slots, layer: int) -> Parts:
+        return self.get_layer(torch.as_tensor(slots, dtype=torch.int64, device=self.device), layer)
+
+    def read_block(self, slot: int) -> Parts:
+        return self.get_block(slot)
+
+    def read_segment(self, slot: int, layer: int, count_failures: bool = True) -> bytes:
+        return self.storage[layer, :, slot].cpu().numpy().tobytes()
+
+    def check_medium(self) -> None:
+        """Memory cannot vanish under us."""
+
+    def parts_from_segments(self, data: bytes, n: int) -> Parts:
+        records = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(n, self.storage.shape[1], -1)
+        return self._parts(records.to(self.device))
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        """Memory is released with the pool."""
 
     def get_layer(self, slots: torch.Tensor, layer: int) -> Parts:
         """Encoded parts of one layer for several slots (a long tensor on the pool's device): [heads, len(slots), ...]."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from flashmemory.kvcache import native
+from flashmemory.kvcache.read.choice import LayerChoice
 
 NUM_INTERVALS = 10  # access intervals kept per block for the interval statistics
 NEVER_SELECTED_STEPS = 64  # "steps since last selected" of a block never selected
@@ -39,22 +40,6 @@ FEATURE_NAMES = (
 )
 NUM_FEATURES = len(FEATURE_NAMES)
 COLUMN = {name: i for i, name in enumerate(FEATURE_NAMES)}
-
-
-@dataclass
-class LayerChoice:
-    """One query-aware choice as the cache makes it: one decode step, layer and level, every KV head."""
-
-    seq_id: int
-    step: int  # the sequence's position (tokens before the decoded one)
-    layer: int
-    level: int  # 1 = L1 (host), 2 = L2 (disk)
-    indices: torch.Tensor  # [n] int64 logical block indices of the candidates (the same object for every layer)
-    scores: torch.Tensor  # [heads, n] float32 Quest upper-bound scores (on the compute device)
-    chosen: torch.Tensor  # [heads, budget] int64 positions into `indices` (on the compute device)
-    query_mean: torch.Tensor  # [heads] float32 mean of the query heads sharing each KV head (compute device)
-    num_blocks: int  # full blocks of the sequence
-    slots: torch.Tensor | None  # [n] int64 the candidates' slots on their level (None in a replayed trace)
 
 
 @dataclass

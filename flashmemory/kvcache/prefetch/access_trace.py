@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from flashmemory.errors import ConfigError
-from flashmemory.kvcache.prefetch.access_stats import COLUMN, AccessStats, LayerChoice, StepChoices
+from flashmemory.kvcache.prefetch.access_stats import COLUMN, AccessStats, StepChoices
+from flashmemory.kvcache.read.choice import LayerChoice
 
 
 @dataclass

@@ -169,6 +169,10 @@ class DeviceStaging:
         """`gather` as the codec's parts (views), like TensorPool.get_layer_per_head but on the staging device."""
         return self.host_pool._parts(self.gather(layer, slots))
 
+    def get_layer_per_head(self, slots: torch.Tensor, layer: int) -> Parts:
+        """The read path's per-head source interface (the same call as TensorPool's)."""
+        return self.gather_parts(layer, slots)
+
     # ---- accounting -------------------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int | float]:

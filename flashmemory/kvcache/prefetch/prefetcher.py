@@ -31,11 +31,12 @@ from dataclasses import dataclass
 import torch
 
 from flashmemory.errors import ColdBlockError, ConfigError
-from flashmemory.kvcache.prefetch.access_stats import AccessStats, LayerChoice, StepChoices
+from flashmemory.kvcache.prefetch.access_stats import AccessStats, StepChoices
 from flashmemory.kvcache.prefetch.access_trace import lru_scores
 from flashmemory.kvcache.prefetch.device_staging import DeviceStaging
-from flashmemory.kvcache.levels.disk_pool import DiskPool
+from flashmemory.kvcache.levels.protocol import StorageLevel
 from flashmemory.kvcache.prefetch.heat_predictor import HeatPredictor
+from flashmemory.kvcache.read.choice import LayerChoice
 from flashmemory.kvcache.quant import Parts
 
 logger = logging.getLogger(__name__)
@@ -68,14 +69,14 @@ def _any_head(top: torch.Tensor, n: int) -> torch.Tensor:
 class Prefetcher:
     """Owns the L2 staging area, the per-sequence access statistics, the ranker and the reader threads."""
 
-    def __init__(self, disk_pool: DiskPool | None, num_layers: int, num_kv_heads: int, strategy: str,
+    def __init__(self, cold_level: StorageLevel | None, num_layers: int, num_kv_heads: int, strategy: str,
                  budget_bytes: int, ranker: str = "predictor", predictor: HeatPredictor | None = None,
                  num_threads: int = 4, device_staging: DeviceStaging | None = None) -> None:
         if strategy not in DEPTH:
             raise ConfigError(f"prefetch_strategy={strategy!r}: a Prefetcher needs 'adaptive' or 'aggressive'")
         if ranker not in RANKERS:
             raise ConfigError(f"prefetch_ranker={ranker!r}: use one of {', '.join(RANKERS)}")
-        self.disk_pool = disk_pool  # None: no disk level, only device staging of L1
+        self.cold_level = cold_level  # the level read ahead (L2); None: only device staging of L1
         self.device_staging = device_staging
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -103,7 +104,7 @@ class Prefetcher:
         self.ranking_seconds = 0.0  # everything at a step's end: statistics, features, ranking, wanted sets
         self._window = [0, 0, 0]  # hits, lookups, late misses since the last adaptive depth change
         self._threads = [threading.Thread(target=self._run, name=f"flashmemory-prefetch-{i}", daemon=True)
-                         for i in range(num_threads if disk_pool is not None else 0)]
+                         for i in range(num_threads if cold_level is not None else 0)]
         for t in self._threads:
             t.start()
 
@@ -198,8 +199,8 @@ class Prefetcher:
                     key = (slot, layer)
                     if key in self._staged or key in self._queued:
                         continue
-                    assert self.disk_pool is not None
-                    if self._staged_bytes + self.disk_pool.segment_bytes * (len(self._queued) + 1) > \
+                    assert self.cold_level is not None
+                    if self._staged_bytes + self.cold_level.segment_bytes * (len(self._queued) + 1) > \
                             self.budget_bytes:
                         break  # staging area full: the rest is read on demand
                     self._queue.append((seq_id, slot, layer))
@@ -229,11 +230,11 @@ class Prefetcher:
                 self._queued.discard(key)
                 if slot not in self._wanted.get((seq_id, layer), ()) or key in self._staged:
                     continue  # no longer wanted, or the step read it meanwhile
-                generation = self.disk_pool.generation.get(slot, 0)
+                generation = self.cold_level.generation_of(slot)
                 self._reading.add(key)
             data = None
             try:
-                data = self.disk_pool.read_segment(slot, layer, count_failures=False)  # lock not held: disk time
+                data = self.cold_level.read_segment(slot, layer, count_failures=False)  # lock not held: disk time
             except ColdBlockError:
                 with self._lock:
                     self.counters["prefetch_dropped_races"] += 1
@@ -248,7 +249,7 @@ class Prefetcher:
     def _publish(self, seq_id: int, slot: int, layer: int, data: bytes, generation: int, prefetched: bool) -> bool:
         """Stage a fully read, verified segment (lock held); False when it was not staged."""
         key = (slot, layer)
-        current = self.disk_pool.generation.get(slot, 0)
+        current = self.cold_level.generation_of(slot)
         unwanted = prefetched and slot not in self._wanted.get((seq_id, layer), ())
         full = self._staged_bytes + len(data) > self.budget_bytes
         if generation != current or unwanted or full or key in self._staged:
@@ -261,15 +262,19 @@ class Prefetcher:
 
     # ---- the decode step's read -----------------------------------------------------------------------------
 
+    def read_layer(self, slots: list[int], layer: int, seq_id: int, decoding: bool) -> Parts:
+        """`get_layer` as the read path wants it: parts [num_kv_heads, len(slots), ...]."""
+        return {name: t.transpose(0, 1) for name, t in self.get_layer(slots, layer, seq_id, decoding).items()}
+
     def get_layer(self, slots: list[int], layer: int, seq_id: int = -1, decoding: bool = True) -> Parts:
-        """DiskPool.get_layer through the staging area: staged segments are served from memory, the rest read.
+        """The level's layer read through the staging area: staged segments are served from memory, the rest read.
 
         A decode step's lookups are counted and its disk reads stay staged until the step's end decides whether
         the next step wants them (read-through); prefill reads (`decoding=False`) pass straight through.
         """
-        pool = self.disk_pool
+        pool = self.cold_level
         assert pool is not None
-        pool.check_file()
+        pool.check_medium()
         chunks: list[bytes] = [b""] * len(slots)
         missing: list[int] = []  # positions in `slots` read from the disk
         hits = late = prefetched = 0
@@ -278,7 +283,7 @@ class Prefetcher:
                 key = (slot, layer)
                 entry = self._staged.get(key)
                 if entry is not None:
-                    if entry.generation == pool.generation.get(slot, 0):
+                    if entry.generation == pool.generation_of(slot):
                         entry.used = True
                         chunks[i] = entry.data
                         hits += 1
@@ -289,7 +294,7 @@ class Prefetcher:
                 late += key in self._queued or key in self._reading
         reads = []
         for i in missing:  # lock not held: disk time
-            generation = pool.generation.get(slots[i], 0)
+            generation = pool.generation_of(slots[i])
             chunks[i] = pool.read_segment(slots[i], layer)
             reads.append((slots[i], generation, chunks[i]))
         if decoding:
@@ -304,7 +309,7 @@ class Prefetcher:
                 self._window[0] += hits
                 self._window[1] += len(slots)
                 self._window[2] += late
-        return pool.unflatten(b"".join(chunks), len(slots))
+        return pool.parts_from_segments(b"".join(chunks), len(slots))
 
     def _adapt(self) -> None:
         """Adaptive depth, from the hit rate and how the readers keep up with the compute: when misses are mostly

@@ -11,7 +11,6 @@ from itertools import count
 from pathlib import Path
 from typing import Any
 
-import flashmemory
 from flashmemory.tools.bench.jobs import FidelityJob, SpeedJob, write_job
 from flashmemory.tools.bench.worker import RESULT_PREFIX
 
@@ -19,7 +18,7 @@ from flashmemory.tools.bench.worker import RESULT_PREFIX
 def worker_env(num_threads: int) -> dict[str, str]:
     """The environment of every worker: the same thread count for every engine's OpenMP pool, passive waiting
     (spinning OpenMP threads lose 10x on a shared machine), and this very copy of the package on the path."""
-    package_root = str(Path(flashmemory.__file__).resolve().parents[1])
+    package_root = str(Path(__file__).resolve().parents[3])  # the folder holding flashmemory/
     path = os.environ.get("PYTHONPATH", "")
     return {
         **os.environ,

@@ -40,7 +40,7 @@ def test_kernel_equals_decode_then_attention_for_every_record_format(bits):
 
     state = DecodeState(native.library(), q, HEADS)
     state.add_dense(dense_k, dense_v)
-    state.add_records(pool.storage[layer], slots, pool.record_format)
+    state.add_records(pool.storage[layer], slots, native.RecordFormat.for_pool(pool))
     ours = state.output()
 
     kv = pool.codec.decode(pool.get_layer_per_head(slots, layer), torch.float32)  # [2, heads, n, block, D]
@@ -68,8 +68,8 @@ def test_tiered_decode_is_the_same_with_and_without_the_kernel(tiny_llama, monke
     logits = {}
     for use_kernel in (True, False):
         engine = FlashMemoryEngine(model_path=str(tiny_llama), **levels)
-        assert engine.cache._native  # float32 on the CPU with a compiler: the kernel is chosen
-        engine.cache._native = use_kernel
+        assert engine.cache.attention.name == "native"  # float32 on the CPU with a compiler: the kernel is chosen
+        engine.cache.use_attention_backend("native" if use_kernel else "torch")
         seq = 7
         engine.cache.add_sequence(seq)
         engine._forward(seq, ids[:80])

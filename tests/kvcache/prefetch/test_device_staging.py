@@ -316,7 +316,7 @@ def test_engine_decodes_the_same_with_l1_staged_on_the_device(tiny_llama):
     outputs, stats = [], []
     for knobs in ({}, {"device_staging_mb": 1.0}):
         engine = FlashMemoryEngine(model_path=str(tiny_llama), **levels, **knobs)
-        engine.cache._native = False  # the torch decode path, which a GPU runs
+        engine.cache.use_attention_backend("torch")  # the torch decode path, which a GPU runs
         outputs.append(engine.score_tokens(ids, num_teacher_forced=30).decode_logprobs)
         stats.append(engine.stats())
         engine.close()

@@ -10,7 +10,8 @@ import torch
 
 from flashmemory import FlashMemoryEngine
 from flashmemory.errors import ConfigError
-from flashmemory.kvcache.prefetch.access_stats import FEATURE_NAMES, LayerChoice
+from flashmemory.kvcache.prefetch.access_stats import FEATURE_NAMES
+from flashmemory.kvcache.read.choice import LayerChoice
 from flashmemory.kvcache.levels.disk_pool import DiskPool
 from flashmemory.kvcache.prefetch.prefetcher import Prefetcher
 from flashmemory.kvcache.quant import Codec

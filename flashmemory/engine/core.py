@@ -1,0 +1,231 @@
+"""EngineCore: the one token loop. Each step the scheduler picks who runs (continuous batching by the memory each
+KV level has left), the cache carries out its preemptions and admissions, one batched forward extends every
+scheduled sequence, and the sequences that reached their last token sample, detokenize and report.
+
+The Python API (FlashMemoryEngine) and the server's engine thread both drive it: `add` sequences, call `step`,
+deliver the outputs it returns to the sinks they were added with. It is used from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from flashmemory.engine.observer import NullObserver, StepObserver
+from flashmemory.engine.request import SequenceOutput, SequenceRequest, Sink
+from flashmemory.engine.sampling import Sampler
+from flashmemory.engine.scheduler import Scheduler, StepPlan
+from flashmemory.engine.scheduling_policy import FCFS, SchedulingPolicy
+from flashmemory.engine.sequence import Sequence, SequenceStatus
+from flashmemory.engine.stop import StopStringMatcher
+from flashmemory.errors import CapacityError
+from flashmemory.kvcache.interface import ForwardBatch, KVCache
+from flashmemory.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+Delivery = tuple[Sink, SequenceOutput]
+
+
+@dataclass
+class _Live:
+    """Core state of one sequence besides what the scheduler tracks."""
+
+    seq: Sequence
+    request: SequenceRequest
+    sampler: Sampler
+    detok: IncrementalDetokenizer
+    stopper: StopStringMatcher
+    sink: Sink
+    first_forward_s: float | None = None
+    last_token_s: float | None = None
+
+
+class EngineCore:
+    """Owns the scheduler and every live sequence; runs batched steps of the model over the KV cache."""
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache, tokenizer: Tokenizer, max_seq_len: int,
+                 device: torch.device, max_num_batched_tokens: int, observer: StepObserver | None = None,
+                 policy: SchedulingPolicy = FCFS) -> None:
+        self.model = model
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self.device = device
+        self.observer: StepObserver = observer or NullObserver()
+        self.scheduler = Scheduler(cache.kv_capacity(), max_num_batched_tokens, policy)
+        self._live: dict[int, _Live] = {}
+        self._refused: list[Delivery] = []  # sequences that can never fit, reported by the next step
+        self._seq_ids = itertools.count()
+
+    # ---- sequences in and out ---------------------------------------------------------------------------------
+
+    def next_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    def add(self, request: SequenceRequest, sink: Sink, seq_id: int | None = None) -> int:
+        """Queue a sequence; its outputs will go to `sink` (through `step`'s return value). Returns its id."""
+        seq_id = self.next_seq_id() if seq_id is None else seq_id
+        max_tokens = min(request.params.max_new_tokens, self.max_seq_len - len(request.prompt_ids))
+        seq = Sequence(seq_id, list(request.prompt_ids), max_tokens, pinned_spans=tuple(request.pinned_spans))
+        reason = self.unfit_reason(len(seq.prompt_ids) + max_tokens, seq.pinned_spans)
+        if reason is not None:  # it would wait forever: refuse it now, with the setting to change
+            error = CapacityError(reason)
+            self._refused.append((sink, SequenceOutput(request.index, "", 0, None, error=reason, exception=error)))
+            self.observer.on_finished("error", None)
+            return seq_id
+        self._live[seq_id] = _Live(seq, request, Sampler(request.params, self.device),
+                                   IncrementalDetokenizer(self.tokenizer, request.prompt_ids),
+                                   StopStringMatcher(request.params.stop), sink)
+        self.scheduler.add(seq)
+        return seq_id
+
+    def abort(self, seq_id: int) -> None:
+        """Stop a sequence and free its KV on every level; no more outputs are sent for it."""
+        live = self._live.pop(seq_id, None)
+        seq = self.scheduler.abort(seq_id)
+        if seq is None:
+            return  # already finished
+        self._release(seq)
+        if live is not None:
+            self.observer.on_finished("abort", None)
+
+    def has_work(self) -> bool:
+        return bool(self._refused) or self.scheduler.has_work()
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+
+    def step(self) -> list[Delivery]:
+        """Schedule, run one batched forward, sample; returns the outputs to deliver, in order."""
+        out, self._refused = self._refused, []
+        plan = self.scheduler.schedule()
+        self._apply(plan)
+        if not plan.scheduled:
+            return out
+        entries, input_ids, sample_rows, to_sample = [], [], [], []
+        num_prefill_tokens = 0
+        started = time.perf_counter()
+        for seq, n in plan.scheduled:
+            start = seq.num_computed_tokens
+            entries.append((seq.seq_id, start, n))
+            input_ids.extend(seq.token_ids(start, start + n))
+            if start < len(seq.prompt_ids) or n > 1:
+                num_prefill_tokens += n
+            live = self._live[seq.seq_id]
+            if live.first_forward_s is None:
+                live.first_forward_s = started
+            if start + n == seq.num_tokens:  # the forward reaches the sequence's last token: sample the next
+                sample_rows.append(len(input_ids) - 1)
+                to_sample.append(seq)
+        batch = ForwardBatch.build(entries, self.device)
+        try:
+            logits = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device), self.cache, batch,
+                                logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=self.device))
+            self.cache.commit(batch)
+        except CapacityError as e:
+            # A level filled up although the budget said it would not (e.g. the disk): the batch's sequences fail
+            # with the reason; the engine and everyone else go on.
+            logger.error("KV capacity exceeded during a step: %s", e)
+            for seq, _ in plan.scheduled:
+                live = self._live.get(seq.seq_id)
+                if live is not None:
+                    out.append(self._fail(live, f"the KV cache ran out of room: {e}", e))
+            return out
+        self.scheduler.complete_step(plan)
+        self.observer.on_prefill_tokens(num_prefill_tokens)
+        if not to_sample:
+            return out
+        greedy = logits.argmax(dim=-1).tolist()  # one op for every greedy sequence
+        now = time.perf_counter()
+        for row, seq in enumerate(to_sample):
+            live = self._live[seq.seq_id]
+            token = greedy[row] if live.request.params.is_greedy else live.sampler.sample(logits[row])
+            out.append(self._postprocess(live, token, now))
+        return out
+
+    def _apply(self, plan: StepPlan) -> None:
+        """Carry the plan's preemptions and admissions out on the cache, freeing before allocating."""
+        cache = self.cache
+        for seq in plan.demoted:
+            cache.demote_sequence(seq.seq_id)
+        for seq in plan.recomputed:
+            cache.free_sequence(seq.seq_id)
+        for seq in plan.promoted:
+            cache.promote_sequence(seq.seq_id)
+        for seq in plan.admitted:
+            cache.add_sequence(seq.seq_id)
+            for start, end in seq.pinned_spans:
+                cache.pin_span(seq.seq_id, start, end)
+        if plan.demoted:
+            self.observer.on_preempted("demote", len(plan.demoted))
+        if plan.recomputed:
+            self.observer.on_preempted("recompute", len(plan.recomputed))
+        if plan.num_preempted:
+            logger.debug("preempted %d sequence(s): %d demoted, %d to recompute", plan.num_preempted,
+                         len(plan.demoted), len(plan.recomputed))
+
+    def _postprocess(self, live: _Live, token: int, now: float) -> Delivery:
+        seq, params = live.seq, live.request.params
+        seq.output_ids.append(token)
+        first = live.last_token_s is None
+        self.observer.on_token(now - (live.request.arrival_s if first else live.last_token_s), first)
+        live.last_token_s = now
+        finish, text, token_id = None, "", token
+        if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
+            finish, token_id = "stop", None
+        else:
+            text = live.stopper.feed(live.detok.add(token))
+            if live.stopper.stopped:
+                finish = "stop"
+        if finish is None and (len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_seq_len):
+            finish = "length"
+        output = SequenceOutput(live.request.index, text, 1, finish, token_id=token_id, produced_s=now,
+                                first_forward_s=live.first_forward_s if first else None)
+        if finish is not None:
+            if not live.stopper.stopped:
+                output.text += live.stopper.feed(live.detok.flush()) + live.stopper.flush()
+            if live.request.capture_kv_stats:
+                output.kv_stats = dict(self.cache.stats())  # as the sequence ends, before its blocks are freed
+            # Free before telling the client, so a finished response never leaves blocks behind.
+            self.scheduler.finish(seq)
+            self.cache.free_sequence(seq.seq_id)
+            del self._live[seq.seq_id]
+            self.observer.on_finished(finish, now - live.request.arrival_s)
+        return live.sink, output
+
+    def _fail(self, live: _Live, message: str, exception: BaseException | None = None) -> Delivery:
+        seq = self.scheduler.abort(live.seq.seq_id)
+        if seq is not None:
+            self._release(seq)
+        self._live.pop(live.seq.seq_id, None)
+        self.observer.on_finished("error", None)
+        return live.sink, SequenceOutput(live.request.index, "", 0, None, error=message, exception=exception)
+
+    def fail_all(self, message: str) -> list[Delivery]:
+        """Fail every live sequence (the engine cannot go on); returns their error outputs."""
+        out = []
+        for live in list(self._live.values()):
+            try:
+                out.append(self._fail(live, message))
+            except Exception:  # noqa: BLE001 - the cache may be what broke; the clients must still hear
+                out.append((live.sink, SequenceOutput(live.request.index, "", 0, None, error=message)))
+        self._live.clear()
+        return out
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.status in (SequenceStatus.RUNNING, SequenceStatus.PARKED):
+            self.cache.free_sequence(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+
+    def unfit_reason(self, num_tokens: int, pinned_spans: Seq[tuple[int, int]] = ()) -> str | None:
+        """Why a sequence that may reach `num_tokens` tokens can never run here; None when it can."""
+        return self.scheduler.unfit_reason(num_tokens, tuple(pinned_spans))

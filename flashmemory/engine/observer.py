@@ -1,0 +1,36 @@
+"""StepObserver: what the engine core reports as it runs (the server's metrics and stats line listen)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class StepObserver(Protocol):
+    """Told of prefill work, sampled tokens, finished sequences and preemptions."""
+
+    def on_prefill_tokens(self, n: int) -> None: ...
+
+    def on_token(self, since_s: float, first: bool) -> None:
+        """A token was sampled `since_s` seconds after the request arrived (first) or after its previous token."""
+
+    def on_finished(self, reason: str, e2e_s: float | None) -> None:
+        """A sequence ended: "stop", "length", "abort" or "error" (e2e_s: arrival to now, for stop/length)."""
+
+    def on_preempted(self, kind: str, n: int) -> None:
+        """`n` sequences were preempted: kind "demote" or "recompute"."""
+
+
+class NullObserver:
+    """Observes nothing (the Python API)."""
+
+    def on_prefill_tokens(self, n: int) -> None:
+        pass
+
+    def on_token(self, since_s: float, first: bool) -> None:
+        pass
+
+    def on_finished(self, reason: str, e2e_s: float | None) -> None:
+        pass
+
+    def on_preempted(self, kind: str, n: int) -> None:
+        pass

@@ -1,0 +1,49 @@
+"""LevelPlan: which blocks one forward of one sequence reads from one KV level (the same for every layer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashmemory.kvcache.manager.blocks import BlockTable, Level
+
+
+@dataclass
+class LevelPlan:
+    """What one forward reads from one level for one sequence (the same for every layer)."""
+
+    indices: list[int]  # logical block indices whose primary copy is on the level, in order
+    slots: list[int]
+    slot_tensor: torch.Tensor  # int64 slots on the level's device (L2: on the CPU)
+    digest: torch.Tensor | None  # [num_layers, num_kv_heads, blocks, 2 * head_dim] for selection (a view if contiguous)
+    seq_id: int = -1
+    position: int = 0  # the sequence's tokens before this forward (the decode step's clock)
+    num_blocks: int = 0  # full blocks of the sequence
+    index_tensor: torch.Tensor | None = None  # `indices` as a CPU int64 tensor (made once, for choice observers)
+
+
+def plan_reads(seq_id: int, table: BlockTable, num_tokens: int, digest: torch.Tensor | None,
+               devices: dict[Level, torch.device], with_digest: bool) -> dict[Level, LevelPlan]:
+    """Per level, the blocks a forward reads from it: each block from its primary (fastest) copy.
+
+    devices: where each level's slot numbers are used (the pool's device; the CPU for a file).
+    digest: the sequence's key digests [num_layers, num_kv_heads, capacity_blocks, 2 * head_dim], sliced for
+    selection when `with_digest` (decode steps of query-aware selection).
+    """
+    plans = {}
+    for level in devices:
+        indices = table.blocks_on(level)
+        if not indices:
+            continue
+        slots = [table.blocks[i].slots[level] for i in indices]
+        slot_tensor = torch.as_tensor(slots, dtype=torch.int64, device=devices[level])
+        level_digest = None
+        if with_digest and level != Level.DEVICE:
+            assert digest is not None
+            if indices[-1] - indices[0] + 1 == len(indices):  # the usual case: one run of blocks, a view
+                level_digest = digest[:, :, indices[0] : indices[-1] + 1]
+            else:
+                level_digest = digest[:, :, torch.as_tensor(indices, device=digest.device)]
+        plans[level] = LevelPlan(indices, slots, slot_tensor, level_digest, seq_id, num_tokens, len(table.blocks))
+    return plans

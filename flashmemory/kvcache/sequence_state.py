@@ -1,0 +1,34 @@
+"""SequenceKV: one sequence's state in the tiered cache besides its block table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flashmemory.kvcache.manager.blocks import Level
+from flashmemory.kvcache.read.plan import LevelPlan
+
+
+@dataclass
+class SequenceKV:
+    """Owns a sequence's still-filling block row, its key digests and the keys/values of the forward in flight."""
+
+    filling_row: int  # row of the cache's filling-block arena holding the newest, not yet full block
+    num_tokens: int = 0  # committed tokens (full blocks + the filling block)
+    num_filling: int = 0  # tokens in the filling block
+    digest: torch.Tensor | None = None  # [num_layers, num_kv_heads, capacity_blocks, 2 * head_dim] (key_digest)
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer, this forward
+    plan: dict[Level, LevelPlan] | None = None  # built at layer 0 of a forward, dropped at commit
+    pinned_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token ranges kept in L0
+
+    def record_digest(self, index: int, digest: torch.Tensor) -> None:
+        """Keep block `index`'s digest [num_layers, num_kv_heads, 2 * head_dim], growing the store by doubling."""
+        if self.digest is None or self.digest.shape[2] <= index:
+            capacity = max(64, 2 * (index + 1))
+            num_layers, heads, width = digest.shape
+            grown = torch.empty((num_layers, heads, capacity, width), dtype=torch.float32, device=digest.device)
+            if self.digest is not None:
+                grown[:, :, : self.digest.shape[2]] = self.digest
+            self.digest = grown
+        self.digest[:, :, index] = digest
