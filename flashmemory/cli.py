@@ -8,8 +8,11 @@ import os
 import sys
 from collections.abc import Sequence
 
+from flashmemory.config import EngineConfig
+from flashmemory.config_args import add_engine_flags, add_flags, add_kv_flags, engine_kwargs
 from flashmemory.tools.bench.command import add_bench_command
 from flashmemory.errors import FlashMemoryError
+from flashmemory.serve.args import add_serve_args
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -22,7 +25,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         description="Stream a completion to stdout; a one-line summary (prompt tokens, time to first token, "
         "decode tokens/s, peak memory) goes to stderr.",
     )
-    p.add_argument("--model", default=None, help="GGUF file or HF safetensors folder (default: embedded SmolLM2)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
@@ -34,68 +36,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = no limit")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    add_engine_args(p)
-    add_kv_args(p)
     p.add_argument("--stats", action="store_true", help="print the KV levels' bytes, blocks and traffic to stderr")
+    add_engine_flags(p)
+    add_kv_flags(p)
     p.set_defaults(func=_run_generate)
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Where and how the model runs (EngineConfig's device, dtype, max_seq_len, num_threads)."""
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--max-seq-len", type=int, default=None, help="context limit in tokens (default: the model's)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-
-
-def add_kv_args(p: argparse.ArgumentParser) -> None:
-    """The KV-hierarchy knobs, named as in the Python API (see EngineConfig)."""
-    g = p.add_argument_group("KV hierarchy")
-    g.add_argument("--kv-cache", choices=["tiered", "contiguous"], default=None)
-    g.add_argument("--kv-precision", choices=["mixed", "int4", "fp16"], default=None)
-    g.add_argument("--max-gpu-memory-mb", type=int, default=None, help="device budget: weights + workspace + L0")
-    g.add_argument("--active-window", type=int, default=None, help="newest tokens kept in L0 (default 2048)")
-    g.add_argument("--warm-tokens", type=int, default=None, help="tokens kept in L1 after the window (16384)")
-    g.add_argument("--semantic-truncate-threshold", type=float, default=None, help="fraction of L2 blocks read (0.15)")
-    g.add_argument("--warm-budget-tokens", type=int, default=None, help="L1 tokens read per decode step (2048)")
-    g.add_argument("--cpu-memory-gb", type=float, default=None, help="L1 capacity (4)")
-    g.add_argument("--no-cold-zone", dest="cold_zone_enabled", action="store_const", const=False, default=None,
-                   help="keep all older KV in L1 (no disk level)")
-    g.add_argument("--cold-zone-dir", default=None, help="folder of the L2 file (default: a temporary folder)")
-    g.add_argument("--cold-zone-gb", type=float, default=None, help="L2 capacity (16)")
-    g.add_argument("--block-size", default=None, help="tokens per block: 8..128 or auto (16)")
-    g.add_argument("--prefill-chunk-tokens", type=int, default=None, help="prompt tokens per forward (512)")
-    g.add_argument("--selection", choices=["quest", "exact"], default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--prefetch-strategy", choices=["none", "adaptive", "aggressive"], default=None,
-                   help="read predicted-hot L2 blocks ahead of need (none)")
-    g.add_argument("--prefetch-ranker", choices=["predictor", "lru"], default=None, help="what ranks them (predictor)")
-    g.add_argument("--heat-predictor-path", default=None, help="heat-predictor weights (default: the shipped ones)")
-    g.add_argument("--prefetch-budget-mb", type=float, default=None, help="host memory for prefetched L2 blocks (64)")
-    g.add_argument("--device-staging-mb", type=float, default=None,
-                   help="device memory for L1 blocks copied ahead of need, within --max-gpu-memory-mb (0 = off; GPU)")
-    g.add_argument("--record-traces", action="store_const", const=True, default=None,
-                   help="keep every decode step's block choices (for `flashmemory trace`-style analysis)")
-    g.add_argument("--cold-zone-uncached-reads", action="store_const", const=True, default=None,
-                   help="drop L2 reads from the OS page cache (honest disk measurements)")
-
-
-_KV_KNOBS = ("kv_cache", "kv_precision", "max_gpu_memory_mb", "active_window", "warm_tokens",
-             "semantic_truncate_threshold", "warm_budget_tokens", "cpu_memory_gb", "cold_zone_enabled",
-             "cold_zone_dir", "cold_zone_gb", "block_size", "prefill_chunk_tokens", "selection", "max_num_seqs",
-             "prefetch_strategy", "prefetch_ranker", "heat_predictor_path", "prefetch_budget_mb", "device_staging_mb",
-             "record_traces", "cold_zone_uncached_reads")
-
-
-def kv_kwargs(args: argparse.Namespace) -> dict:
-    """Engine keywords for the KV knobs the user set on the command line."""
-    out = {k: getattr(args, k) for k in _KV_KNOBS if getattr(args, k, None) is not None}
-    if isinstance(out.get("block_size"), str) and out["block_size"] != "auto":
-        try:
-            out["block_size"] = int(out["block_size"])
-        except ValueError:
-            raise FlashMemoryError(f"--block-size {out['block_size']!r}: use a number of tokens or 'auto'") from None
-    return out
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -129,10 +73,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
     )
     SamplingParams(**params)
-    engine = FlashMemoryEngine(
-        model_path=args.model, device=args.device, dtype=args.dtype,
-        max_seq_len=args.max_seq_len, num_threads=args.threads, **kv_kwargs(args),
-    )
+    engine = FlashMemoryEngine(**engine_kwargs(args))
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
         messages.append({"role": "user", "content": prompt})
@@ -194,7 +135,6 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         "table and optionally write JSON.",
     )
     p.add_argument("text", nargs="?", default=None, help="long text file (default: ../shared/data/alice29.txt)")
-    p.add_argument("--model", default=None)
     p.add_argument("--window-tokens", type=int, default=8192, help="tokens of text scored (capped by the model)")
     p.add_argument("--decode-tokens", type=int, default=128, help="last tokens fed one at a time (teacher forcing)")
     p.add_argument("--config", action="append", default=[], metavar="NAME:key=value,...",
@@ -204,8 +144,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--passkey-tokens", type=int, default=1500)
     p.add_argument("--passkey-window", type=int, default=256, help="active_window/warm_tokens for the passkey runs")
     p.add_argument("--json", default=None, help="write the full report here")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
+    add_flags(p, EngineConfig, ("model_path", "dtype", "num_threads"), "engine")
     p.set_defaults(func=_run_eval)
 
 
@@ -223,8 +162,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     except OSError as e:
         raise FlashMemoryError(f"cannot read {path}: {e.strerror}") from e
     configs = dict(parse_config(c) for c in args.config) if args.config else DEFAULT_CONFIGS
-    engine = FlashMemoryEngine(model_path=args.model, num_threads=args.threads, dtype=args.dtype,
-                               kv_cache="contiguous")
+    engine = FlashMemoryEngine(**engine_kwargs(args), kv_cache="contiguous")
     report = run_eval(engine, text, args.window_tokens, args.decode_tokens, configs, args.passkey_depths,
                       args.passkey_tokens, args.passkey_window, log=lambda m: print(m, file=sys.stderr))
     report["text"] = str(path)
@@ -236,14 +174,13 @@ def _run_eval(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    from flashmemory.serve.args import add_serve_args
-
     p = sub.add_parser(
         "serve",
         help="OpenAI-compatible HTTP server (same as python -m flashmemory.serve)",
         description="Serve /v1/completions, /v1/chat/completions (streaming), /v1/models, /tokenize, /detokenize, "
         "/health and /metrics. Every flag can also be set by a FLASHMEMORY_* environment variable "
-        "(FLASHMEMORY_PORT, FLASHMEMORY_API_KEY, FLASHMEMORY_KV_PRECISION, ...).",
+        "(FLASHMEMORY_PORT, FLASHMEMORY_API_KEY, FLASHMEMORY_KV_PRECISION, ...); docs/configuration.md lists "
+        "them.",
     )
     add_serve_args(p)
     p.set_defaults(func=_run_serve)
@@ -264,9 +201,8 @@ def _add_trace(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context-tokens", type=int, default=8000)
     p.add_argument("--decode-steps", type=int, default=96)
     p.add_argument("--windows", type=int, default=1, help="windows taken at evenly spaced offsets of the text")
-    p.add_argument("--model", default=None, help="GGUF file or HF safetensors folder (default: embedded SmolLM2)")
-    add_engine_args(p)
-    add_kv_args(p)
+    add_engine_flags(p)
+    add_kv_flags(p)
     p.set_defaults(func=_run_trace)
 
 
@@ -275,9 +211,7 @@ def _run_trace(args: argparse.Namespace) -> int:
     from flashmemory.tools.access_traces import TRACE_KNOBS, read_text, record_trace
 
     text = read_text(args.text)
-    engine = FlashMemoryEngine(model_path=args.model, device=args.device, dtype=args.dtype,
-                               max_seq_len=args.max_seq_len, num_threads=args.threads,
-                               **{**TRACE_KNOBS, **kv_kwargs(args), "record_traces": True})
+    engine = FlashMemoryEngine(**{**TRACE_KNOBS, **engine_kwargs(args), "record_traces": True})
     trace = record_trace(engine, text, args.context_tokens, args.decode_steps, args.windows)
     trace.save(args.out)
     engine.close()

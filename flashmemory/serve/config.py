@@ -3,50 +3,55 @@
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from flashmemory.errors import ConfigError
+from flashmemory.settings import check_settings, setting
 
 DEFAULT_MAX_NUM_SEQS = 16  # the server's default for EngineConfig.max_num_seqs (the Python API's is 4)
 
 
 @dataclass
 class ServerConfig:
-    """Settings of one OpenAI-compatible server."""
+    """Settings of one OpenAI-compatible server; each field's Setting holds its help, unit, bounds and flag."""
 
-    host: str = "127.0.0.1"  # interface to bind; anything but loopback needs api_key or allow_unauthenticated
-    port: int = 8000
-    api_key: str | None = field(default=None, repr=False)  # Bearer key for every route but /health; never logged
-    allow_unauthenticated: bool = False  # permit a non-loopback host without api_key (a trusted network)
-    enable_streaming: bool = True  # False: stream=true is a 400
-    served_model_name: str | None = None  # the model id clients send; None = the checkpoint's file or folder name
-    max_body_bytes: int = 8 * 2**20  # larger request bodies get 413
-    max_n: int = 8  # choices per request (n) at most
-    max_tokens_limit: int = 4096  # max_tokens at most (also the default for chat, capped by the context)
-    max_pending_requests: int = 256  # sequences accepted and unfinished at once; more get 503
-    max_num_batched_tokens: int | None = None  # tokens in one forward (decodes + prefill chunks); None = prefill chunk
-    stats_log_interval_s: float = 10.0  # seconds between stats lines (none while idle); 0 = off
-    log_level: str = "info"
+    host: str = setting("127.0.0.1", "interface to bind; any other than loopback needs --api-key or "
+                        "--allow-unauthenticated")
+    port: int = setting(8000, "TCP port to listen on", ge=1, le=65535)
+    api_key: str | None = setting(
+        None, "require 'Authorization: Bearer KEY' on every route but /health; never logged (prefer "
+        "FLASHMEMORY_API_KEY: a flag shows in the process list)", repr=False)
+    allow_unauthenticated: bool = setting(
+        False, "allow a non-loopback --host without an API key (trusted networks only)")
+    enable_streaming: bool = setting(True, "allow stream=true (off: a request with stream=true is a 400)",
+                                     negatable=True)
+    served_model_name: str | None = setting(
+        None, "the model id clients send; None = the checkpoint's file or folder name")
+    max_body_bytes: int = setting(8 * 2**20, "larger request bodies get 413", unit="bytes", ge=1)
+    max_n: int = setting(8, "choices per request (n) at most", ge=1)
+    max_tokens_limit: int = setting(4096, "max_tokens at most (also the default for chat, capped by the context)",
+                                    unit="tokens", ge=1)
+    max_pending_requests: int = setting(256, "sequences accepted and unfinished at once; more get 503", ge=1)
+    max_num_batched_tokens: int | None = setting(
+        None, "tokens in one forward (decodes and prefill chunks together); None = prefill_chunk_tokens",
+        unit="tokens", ge=1)
+    stats_log_interval_s: float = setting(10.0, "seconds between stats lines (none while idle); 0 = off",
+                                          unit="seconds", ge=0)
+    # NOTE: no choices: the flag takes any case ("WARNING"), checked below.
+    log_level: str = setting("info", "debug, info, warning, error or critical (trace: also uvicorn's details)",
+                             dest="serve_log_level")
 
     def __post_init__(self) -> None:
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise ConfigError(message)
-
-        need(isinstance(self.port, int) and 1 <= self.port <= 65535, f"port={self.port!r} must be in 1..65535")
-        for name in ("max_body_bytes", "max_n", "max_tokens_limit", "max_pending_requests"):
-            value = getattr(self, name)
-            need(isinstance(value, int) and value >= 1, f"{name}={value!r} must be a positive integer")
-        need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
-             f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be a positive integer")
-        need(self.stats_log_interval_s >= 0, f"stats_log_interval_s={self.stats_log_interval_s!r} must be >= 0")
-        need(self.api_key is None or len(self.api_key) > 0, "api_key must not be empty (omit it to run without a key)")
-        need(self.log_level.lower() in ("critical", "error", "warning", "info", "debug", "trace"),
-             f"log_level={self.log_level!r}: use debug, info, warning, error or critical")
-        need(self.api_key is not None or self.allow_unauthenticated or is_loopback(self.host),
-             f"refusing to listen on {self.host} without an API key: anyone who can reach it could use the model. "
-             "Set --api-key (or FLASHMEMORY_API_KEY), bind 127.0.0.1, or pass --allow-unauthenticated on a trusted "
-             "network")
+        check_settings(self)  # types, bounds and choices, as each field's Setting declares them
+        if self.api_key is not None and len(self.api_key) == 0:
+            raise ConfigError("api_key must not be empty (omit it to run without a key)")
+        if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
+            raise ConfigError(f"log_level={self.log_level!r}: use debug, info, warning, error or critical")
+        if self.api_key is None and not self.allow_unauthenticated and not is_loopback(self.host):
+            raise ConfigError(
+                f"refusing to listen on {self.host} without an API key: anyone who can reach it could use the model. "
+                "Set --api-key (or FLASHMEMORY_API_KEY), bind 127.0.0.1, or pass --allow-unauthenticated on a "
+                "trusted network")
 
 
 def is_loopback(host: str) -> bool:

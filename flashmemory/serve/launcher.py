@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from flashmemory.config import EngineConfig
 from flashmemory.errors import FlashMemoryError
+from flashmemory.serve.args import add_serve_args, check_env_errors, engine_kwargs, server_config
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +22,6 @@ def run_server(args: argparse.Namespace) -> int:
 
     from flashmemory.model.loader import resolve_model_path
     from flashmemory.serve.app import create_app
-    from flashmemory.serve.args import check_env_errors, engine_kwargs, server_config
 
     check_env_errors(args)
     log_level = (args.serve_log_level or "info").lower()
@@ -52,12 +52,11 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flashmemory.serve.args import add_serve_args
-
     parser = argparse.ArgumentParser(
         prog="python -m flashmemory.serve",
         description="FlashMemory's OpenAI-compatible server. Every flag can also be set by a FLASHMEMORY_* "
-        "environment variable (FLASHMEMORY_PORT, FLASHMEMORY_API_KEY, FLASHMEMORY_KV_PRECISION, ...).",
+        "environment variable (FLASHMEMORY_PORT, FLASHMEMORY_API_KEY, FLASHMEMORY_KV_PRECISION, ...); "
+        "docs/configuration.md lists them.",
     )
     add_serve_args(parser)
     return parser
