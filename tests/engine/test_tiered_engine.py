@@ -1,4 +1,4 @@
-"""The tiered cache on a tiny model: exact when nothing is lossy, budgets hold, all three levels are used."""
+"""The engine over the tiered cache on a tiny model: exact when nothing is lossy, budgets hold, all three levels are used."""
 
 from __future__ import annotations
 

@@ -1,0 +1,124 @@
+"""PlacementPolicy (no torch): the rule, its closed-form footprint against a block-by-block count, and the control
+plane (block tables, allocators) carrying it out under random load against a plain reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from flashmemory.kvcache.manager.blocks import BlockManager, Level
+from flashmemory.kvcache.manager.policy import PlacementPolicy
+
+
+def _policy(rng: random.Random, cold: bool) -> PlacementPolicy:
+    return PlacementPolicy(block_size=rng.choice([8, 16]), active_window_tokens=rng.choice([16, 32, 64]),
+                           warm_tokens=rng.choice([0, 16, 48]), num_sink_blocks=rng.choice([0, 1, 2]),
+                           cold_zone_enabled=cold)
+
+
+def _counted(policy: PlacementPolicy, num_tokens: int, spans) -> tuple[int, int, int]:
+    """The reference: ask the rule about every block and count."""
+    n = num_tokens // policy.block_size
+    counts = {level: 0 for level in Level}
+    for i in range(n):
+        for level in policy.levels_for(n - 1 - i, policy.is_pinned(i, spans)):
+            counts[level] += 1
+    return counts[Level.DEVICE], counts[Level.HOST], counts[Level.DISK]
+
+
+def test_blocks_age_from_device_to_host_to_disk():
+    p = PlacementPolicy(16, active_window_tokens=32, warm_tokens=32, num_sink_blocks=1, cold_zone_enabled=True)
+    assert [sorted(lv.name for lv in p.levels_for(age, False)) for age in range(5)] == [
+        ["DEVICE", "HOST"], ["DEVICE", "HOST"], ["HOST"], ["HOST"], ["DISK"]]
+    assert p.levels_for(100, pinned=True) == {Level.DEVICE, Level.HOST}
+    no_cold = PlacementPolicy(16, 32, 32, 1, cold_zone_enabled=False)
+    assert no_cold.levels_for(100, False) == {Level.HOST}
+
+
+def test_sinks_and_spans_are_pinned():
+    p = PlacementPolicy(8, 16, 16, num_sink_blocks=1, cold_zone_enabled=True)
+    assert p.is_pinned(0) and not p.is_pinned(1)
+    assert p.pinned_blocks(10, [(8, 24)]) == {0, 1, 2}
+    assert p.pinned_blocks(2, [(8, 24)]) == {0, 1}  # only blocks that exist
+    assert list(p.span_blocks(9, 17, 10)) == [1, 2]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_footprint_equals_the_rule_applied_to_every_block(seed):
+    rng = random.Random(seed)
+    policy = _policy(rng, cold=rng.random() < 0.6)
+    for _ in range(30):
+        tokens = rng.randint(0, 600)
+        spans = [(a, a + rng.randint(1, 40)) for a in rng.sample(range(600), rng.randint(0, 3))]
+        fp = policy.footprint(tokens, spans)
+        assert (fp.device_blocks, fp.host_blocks, fp.disk_blocks) == _counted(policy, tokens, spans)
+
+
+class _Mover:
+    """A torch-free stand-in for the cache's placement: slots only, no bytes, the same rule."""
+
+    def __init__(self, policy: PlacementPolicy, blocks: BlockManager) -> None:
+        self.policy, self.blocks = policy, blocks
+
+    def append(self, seq_id: int, spans) -> None:
+        index = self.blocks.append_block(seq_id, pinned=self.policy.is_pinned(len(self.blocks.tables[seq_id].blocks),
+                                                                              spans))
+        for level in (Level.HOST, Level.DEVICE):
+            self.blocks.attach(seq_id, index, level, self.blocks.allocate(level))
+
+    def place(self, seq_id: int) -> None:
+        table = self.blocks.tables[seq_id]
+        n = len(table.blocks)
+        for i, block in enumerate(table.blocks):
+            wanted = self.policy.levels_for(n - 1 - i, block.pinned)
+            if Level.DISK in wanted and Level.DISK not in block.slots:
+                self.blocks.attach(seq_id, i, Level.DISK, self.blocks.allocate(Level.DISK))
+            for level in list(block.slots):
+                if level not in wanted:
+                    self.blocks.detach(seq_id, i, level)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_control_plane_under_random_load_holds_exactly_the_policys_footprint(seed):
+    rng = random.Random(seed)
+    cold = rng.random() < 0.6
+    policy = _policy(rng, cold)
+    levels = {Level.DEVICE: 10_000, Level.HOST: 10_000} | ({Level.DISK: 10_000} if cold else {})
+    blocks = BlockManager(levels)
+    mover = _Mover(policy, blocks)
+    tokens: dict[int, int] = {}
+    spans: dict[int, list] = {}
+    reference_slots: dict[Level, set[int]] = {level: set() for level in levels}
+    for step in range(400):
+        action = rng.random()
+        if action < 0.1 or not tokens:
+            seq_id = step
+            blocks.add_sequence(seq_id)
+            tokens[seq_id] = 0
+            spans[seq_id] = [(a, a + rng.randint(1, 30)) for a in rng.sample(range(300), rng.randint(0, 2))]
+        elif action < 0.2:
+            seq_id = rng.choice(list(tokens))
+            released = blocks.free_sequence(seq_id)
+            for level, slot in released:
+                reference_slots[level].discard(slot)
+            del tokens[seq_id], spans[seq_id]
+            continue
+        else:
+            seq_id = rng.choice(list(tokens))
+        grow = rng.randint(1, 3 * policy.block_size)
+        before = tokens[seq_id] // policy.block_size
+        tokens[seq_id] += grow
+        for _ in range(tokens[seq_id] // policy.block_size - before):
+            mover.append(seq_id, spans[seq_id])
+        mover.place(seq_id)
+        # The allocators hold exactly what the policy says every live sequence holds, and no slot twice.
+        expected = {level: 0 for level in levels}
+        for sid, n in tokens.items():
+            fp = policy.footprint(n, spans[sid])
+            for level in levels:
+                expected[level] += fp.on(level)
+        assert {level: a.num_used for level, a in blocks.allocators.items()} == expected, f"step {step}"
+        reference_slots = {level: {b.slots[level] for t in blocks.tables.values() for b in t.blocks
+                                   if level in b.slots} for level in levels}
+        assert {level: len(s) for level, s in reference_slots.items()} == expected
