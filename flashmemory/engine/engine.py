@@ -13,6 +13,7 @@ import torch
 from flashmemory.config import EngineConfig
 from flashmemory.engine.core import EngineCore
 from flashmemory.engine.observer import StepObserver
+from flashmemory.engine.options import is_batch, request_options
 from flashmemory.engine.request import SequenceOutput, SequenceRequest
 from flashmemory.engine.sampling import SamplingParams
 from flashmemory.engine.scheduling_policy import FCFS, SchedulingPolicy
@@ -120,9 +121,9 @@ class FlashMemoryEngine:
         Options: the SamplingParams fields, and `pinned_spans=[(start, end), ...]`, token ranges of the prompt
         kept in device memory whatever the window (e.g. a system prompt).
         """
-        if _is_batch(prompt):
+        if is_batch(prompt):
             started = time.perf_counter()
-            params, pinned = _request_options(options)
+            params, pinned = request_options(options)
             prompts = [self._prompt_ids(p) for p in prompt]
             for ids in prompts:
                 self._check_prompt(ids, params.max_new_tokens)
@@ -134,7 +135,7 @@ class FlashMemoryEngine:
     def stream(self, prompt: Prompt, **options: Any) -> Iterator[str]:
         """Complete `prompt`, yielding text pieces as they are decoded."""
         started = time.perf_counter()
-        params, pinned = _request_options(options)
+        params, pinned = request_options(options)
         prompt_ids = self._prompt_ids(prompt)
         return self._stream_ids(prompt_ids, params, pinned, started)
 
@@ -147,7 +148,7 @@ class FlashMemoryEngine:
 
     def stream_chat(self, messages: Messages, pin_system_prompt: bool = False, **options: Any) -> Iterator[str]:
         started = time.perf_counter()
-        params, pinned = _request_options(options)
+        params, pinned = request_options(options)
         prompt_ids = self.tokenizer.apply_chat_template(messages)
         if pin_system_prompt and messages and messages[0].get("role") == "system":
             system_ids = self.tokenizer.apply_chat_template(messages[:1], add_generation_prompt=False)
@@ -157,7 +158,7 @@ class FlashMemoryEngine:
     def generate_token_ids(self, prompt: str | list[int], **options: Any) -> list[int]:
         """Complete `prompt`; returns the generated token ids (end-of-sequence token excluded)."""
         started = time.perf_counter()
-        params, pinned = _request_options(options)
+        params, pinned = request_options(options)
         prompt_ids = self._prompt_ids(prompt)
         self._check_prompt(prompt_ids, params.max_new_tokens)
         request = SequenceRequest(0, prompt_ids, params, started, tuple(pinned))
@@ -310,7 +311,8 @@ class FlashMemoryEngine:
         try:
             while not done:
                 while not pending:
-                    self._deliver(core.step())
+                    for sink, step_out in core.step():
+                        sink(step_out)
                 out = pending.pop(0)
                 done = out.finish_reason is not None or out.error is not None
                 self._account(stats, request, out)
@@ -348,11 +350,6 @@ class FlashMemoryEngine:
             stats.peak_memory_bytes, stats.memory_kind = peak_memory(self.device)
         return results
 
-    @staticmethod
-    def _deliver(deliveries: list[tuple]) -> None:
-        for sink, out in deliveries:
-            sink(out)
-
     def _account(self, stats: GenerationStats, request: SequenceRequest, out: SequenceOutput) -> None:
         """Fold one output into the call's GenerationStats (and the KV snapshot taken as it ended)."""
         stats.num_generated_tokens += out.num_new_tokens
@@ -379,30 +376,3 @@ class ScoreResult:
     decode_seconds: float
     num_decode_steps: int
     kv_stats: dict[str, int | float]  # the cache's counters just before the sequence was freed
-
-
-def _request_options(options: dict[str, Any]) -> tuple[SamplingParams, list[tuple[int, int]]]:
-    """Split per-request options into sampling parameters and pinned token spans (validated)."""
-    options = dict(options)
-    spans = options.pop("pinned_spans", None) or []
-    pinned = []
-    for span in spans:
-        if (not isinstance(span, (tuple, list)) or len(span) != 2 or not all(isinstance(x, int) for x in span)
-                or not 0 <= span[0] < span[1]):
-            raise ConfigError(f"pinned_spans entry {span!r} must be a (start, end) pair of token indices, start < end")
-        pinned.append((int(span[0]), int(span[1])))
-    return _sampling_params(options), pinned
-
-
-def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:
-    valid = SamplingParams.__dataclass_fields__
-    unknown = sorted(set(sampling) - set(valid))
-    if unknown:
-        raise ConfigError(f"unknown sampling setting(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
-    return SamplingParams(**sampling)
-
-
-def _is_batch(prompt: object) -> bool:
-    """A list of prompts (texts or token-id lists), as opposed to one prompt given as token ids."""
-    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(p, (str, list, tuple))
-                                                                          for p in prompt)
