@@ -1,4 +1,4 @@
-"""The `flashmemory` command: generate (more subcommands arrive with the KV hierarchy, server and tools)."""
+"""The `flashmemory` command: generate, eval, bench, serve, trace and train-predictor (nothing imports it)."""
 
 from __future__ import annotations
 

@@ -76,6 +76,12 @@ class EngineConfig:
     device_staging_mb: float = setting(
         0.0, "device memory (counted in max_gpu_memory_mb) for L1 blocks the prefetcher copies ahead of the step "
         "that reads them; 0 = off; needs a prefetch_strategy", unit="MiB", ge=0)
+    attention_backend: str = setting(
+        "auto", "decode attention of the tiered cache: auto (the native CPU kernel where it runs, else torch), "
+        "native or torch (kvcache/attention/registry.py)", choices=("auto", "native", "torch"))
+    scheduling_policy: str = setting(
+        "fcfs", "who is admitted next and who is preempted first: fcfs (arrival order; the newest is preempted "
+        "first) (engine/scheduling_policy.py)", choices=("fcfs",))
 
     def __post_init__(self) -> None:
         # NOTE: dtype and device take open spellings (aliases, cuda:N), so they are checked here, not by choices.

@@ -16,7 +16,7 @@ from flashmemory.engine.observer import StepObserver
 from flashmemory.engine.options import is_batch, request_options
 from flashmemory.engine.request import SequenceOutput, SequenceRequest
 from flashmemory.engine.sampling import SamplingParams
-from flashmemory.engine.scheduling_policy import FCFS, SchedulingPolicy
+from flashmemory.engine.scheduling_policy import POLICIES, SchedulingPolicy
 from flashmemory.engine.stats import GenerationStats, peak_memory
 from flashmemory.errors import ConfigError, FlashMemoryError, PromptTooLongError
 from flashmemory.engine.sizing import DevicePlan, plan_device, tiered_config
@@ -99,7 +99,7 @@ class FlashMemoryEngine:
         """The token loop every generation runs through (rebuilt when the KV cache is replaced)."""
         if self._core is None or self._core.cache is not self.cache:
             self._core = EngineCore(self.model, self.cache, self.tokenizer, self.max_seq_len, self.device,
-                                    self.config.prefill_chunk_tokens)
+                                    self.config.prefill_chunk_tokens, policy=POLICIES[self.config.scheduling_policy])
         return self._core
 
     def configure_core(self, max_num_batched_tokens: int | None = None, observer: StepObserver | None = None,
@@ -109,7 +109,7 @@ class FlashMemoryEngine:
             raise ConfigError("the engine core has live sequences; finish or abort them before reconfiguring it")
         self._core = EngineCore(self.model, self.cache, self.tokenizer, self.max_seq_len, self.device,
                                 max_num_batched_tokens or self.config.prefill_chunk_tokens, observer,
-                                policy or FCFS)
+                                policy or POLICIES[self.config.scheduling_policy])
         return self._core
 
     # ---- public API -------------------------------------------------------------------------------------------

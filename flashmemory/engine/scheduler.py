@@ -197,7 +197,7 @@ class Scheduler:
     def _admit_waiting(self, plan: StepPlan, projected: dict[int, int], tokens_left: int) -> None:
         while self.waiting and tokens_left > 0:
             if len(self.running) + len(self.parked) >= self.budget.max_num_seqs:
-                break  # no staging row for the newest block of another sequence
+                break  # no filling-block row for another sequence
             seq = self.policy.next_waiting(self.waiting)
             n = min(seq.num_pending_tokens, tokens_left)
             usage = self._projected_usage(projected, seq, n)

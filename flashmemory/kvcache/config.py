@@ -41,7 +41,7 @@ class TieredCacheConfig:
     selection: str = "quest"  # "quest" (query-aware) or "exact" (attend everything)
     kv_precision: str = "mixed"  # "fp16" | "int4" | "mixed"
     num_sink_blocks: int = 1  # first blocks pinned to L0 (attention sinks)
-    max_num_seqs: int = 16  # sequences alive at once (each owns a staging block in L0)
+    max_num_seqs: int = 16  # sequences alive at once (each owns a filling-block row in device memory)
     cold_zone_enabled: bool = True
     cold_zone_dir: str | None = None
     model_fingerprint: bytes = b""

@@ -1,1 +1,1 @@
-"""Operator tools: diagnose, mats, doctor, bench."""
+"""Tools around the engine: eval, bench, access traces, the configuration reference, flashmemory-test."""

@@ -84,7 +84,7 @@ def test_admission_is_decided_by_the_memory_each_level_has_left():
     assert admitted(1000) == 50
 
 
-def test_the_staging_rows_bound_live_sequences():
+def test_the_filling_block_rows_bound_live_sequences():
     s = Scheduler(budget(max_num_seqs=3), max_num_batched_tokens=10_000)
     for i in range(5):
         s.add(seq(i, 10, 4))

@@ -39,7 +39,7 @@ class KVCapacity:
 
     policy: PlacementPolicy | None  # None: a cache without levels (nothing but sequences is bounded)
     capacity_blocks: dict[Level, int] = field(default_factory=dict)  # slots per level
-    max_num_seqs: int = 1  # live sequences at once (staging rows of the newest, still-filling block)
+    max_num_seqs: int = 1  # live sequences at once (each has a row for its newest, still-filling block)
 
     @property
     def block_size(self) -> int:

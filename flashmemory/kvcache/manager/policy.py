@@ -76,7 +76,7 @@ class PlacementPolicy:
 
     def footprint(self, num_tokens: int, pinned_spans: Iterable[tuple[int, int]] = ()) -> Footprint:
         """Blocks a sequence of `num_tokens` committed tokens holds on each level once placement has run
-        (the still-filling block lives in a staging row, not a slot)."""
+        (the still-filling block lives in its own row, not a slot)."""
         n = num_tokens // self.block_size
         pinned = self.pinned_blocks(n, pinned_spans)
         # A pinned block outside the span that a level keeps anyway is an extra copy on it.

@@ -1,4 +1,4 @@
-"""Heat predictor: a 3-layer MLP (~1.6K parameters) that ranks blocks by the chance a coming step selects them.
+"""Heat predictor: a 3-layer MLP (529 parameters as shipped: 14 -> 16 -> 16 -> 1) that ranks blocks by the chance a coming step selects them.
 
 Input: the feature rows of access_trace.AccessStats (recency, frequency, digest score rank and margin, level,
 interval statistics, query mean). Output: P(the block is chosen by the same layer and KV head at the next step).

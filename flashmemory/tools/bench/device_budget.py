@@ -27,7 +27,7 @@ class BudgetedKnobs:
 
     knobs: dict[str, Any]  # engine keywords: max_gpu_memory_mb, active_window, plus the base knobs
     kv_budget_bytes: int
-    device_kv_bytes: int  # the L0 arena (slots + staging blocks) the engine allocates under these settings
+    device_kv_bytes: int  # the L0 arena (slots + filling blocks) the engine allocates under these settings
 
 
 def knobs_for_kv_budget(model_cfg: ModelConfig, dtype: str, kv_budget_bytes: int, base: dict[str, Any],
@@ -39,7 +39,7 @@ def knobs_for_kv_budget(model_cfg: ModelConfig, dtype: str, kv_budget_bytes: int
     cfg = EngineConfig(**{**base, "kv_cache": "tiered", "max_gpu_memory_mb": None})
     block_size = cfg.resolve_block_size(max_seq_len or model_cfg.max_context_tokens)
     probe = plan_device(cfg, model_cfg, weights, torch_dtype, block_size)
-    room = kv_budget_bytes - probe.staging_bytes
+    room = kv_budget_bytes - probe.filling_bytes
     window = min(cfg.active_window, (room // probe.slot_bytes - 1) * block_size)
     while window >= block_size:
         trial = cfg.replace(active_window=window)
@@ -52,12 +52,12 @@ def knobs_for_kv_budget(model_cfg: ModelConfig, dtype: str, kv_budget_bytes: int
         except MemoryBudgetError:  # rounding down to whole MiB cost a block: try a smaller window
             window -= block_size
             continue
-        arena = plan.device_slots * plan.slot_bytes + plan.staging_bytes
+        arena = plan.device_slots * plan.slot_bytes + plan.filling_bytes
         knobs = {**base, "kv_cache": "tiered", "max_gpu_memory_mb": budget_mb, "active_window": window}
         return BudgetedKnobs(knobs, kv_budget_bytes, arena)
     raise ConfigError(
         f"a device KV budget of {kv_budget_bytes / MIB:.3f} MiB cannot hold the attention-sink block, one "
         f"{block_size}-token window block ({probe.slot_bytes / MIB:.3f} MiB each) and the newest block "
-        f"({probe.staging_bytes / MIB:.3f} MiB) once max_gpu_memory_mb is rounded down to whole MiB: "
+        f"({probe.filling_bytes / MIB:.3f} MiB) once max_gpu_memory_mb is rounded down to whole MiB: "
         "raise --budget-mb or use longer --lengths"
     )
