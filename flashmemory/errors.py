@@ -6,6 +6,8 @@ from __future__ import annotations
 class FlashMemoryError(Exception):
     """Base class of every error FlashMemory raises on purpose."""
 
+    seq_id: int | None = None  # the sequence being served when it was raised (set by the cache), if one
+
 
 class ConfigError(FlashMemoryError, ValueError):
     """An engine or CLI setting is unknown or out of range."""
@@ -54,3 +56,15 @@ class MemoryBudgetError(ConfigError):
 
 class CapacityError(FlashMemoryError, MemoryError):
     """A KV level is full at run time and nothing can be demoted (e.g. host memory with the cold zone off)."""
+
+
+class ColdZoneFullError(CapacityError):
+    """The cold-zone disk has no room for a block (ENOSPC, a quota): the slot was released, nothing half-written."""
+
+
+class ColdZoneWriteError(FlashMemoryError, OSError):
+    """A block could not be written to the cold zone (an I/O error other than a full disk)."""
+
+
+class DeviceLostError(FlashMemoryError, RuntimeError):
+    """The compute device failed (a CUDA error poisons its context): the engine cannot go on and must restart."""

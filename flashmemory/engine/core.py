@@ -23,13 +23,34 @@ from flashmemory.engine.scheduler import Scheduler, StepPlan
 from flashmemory.engine.scheduling_policy import FCFS, SchedulingPolicy
 from flashmemory.engine.sequence import Sequence, SequenceStatus
 from flashmemory.engine.stop import StopStringMatcher
-from flashmemory.errors import CapacityError
+from flashmemory.errors import CapacityError, ColdBlockError, ColdZoneWriteError, DeviceLostError, FlashMemoryError
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
 from flashmemory.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
 Delivery = tuple[Sink, SequenceOutput]
+# Failures of one sequence's KV that recomputing it from its tokens repairs (the damaged block is dropped with it,
+# a transient write error may not come back). A level that is full (CapacityError, a full disk) is not repaired by
+# recomputing: that sequence fails with the setting to change.
+RECOVERABLE = (ColdBlockError, ColdZoneWriteError)
+MAX_RECOMPUTES = 1  # a sequence that faults again after being recomputed fails (the disk may be broken for good)
+
+
+def is_fatal(error: BaseException, device: torch.device) -> bool:
+    """Errors after which the engine cannot go on: the device is lost (a CUDA error poisons the context)."""
+    if isinstance(error, (KeyboardInterrupt, SystemExit, DeviceLostError)):
+        return True
+    message = str(error)
+    return device.type == "cuda" and isinstance(error, RuntimeError) and (
+        "CUDA error" in message or "device-side assert" in message or "ECC" in message)
+
+
+def _client_message(error: BaseException) -> str:
+    """What the client is told: our typed errors say what happened; anything else only its kind."""
+    if isinstance(error, FlashMemoryError):
+        return str(error)
+    return f"{type(error).__name__} while generating; the server log has the details"
 
 
 @dataclass
@@ -130,26 +151,56 @@ class EngineCore:
         try:
             logits = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device), self.cache, batch,
                                 logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=self.device))
-            self.cache.commit(batch)
-        except CapacityError as e:
-            # A level filled up although the budget said it would not (e.g. the disk): the batch's sequences fail
-            # with the reason; the engine and everyone else go on.
-            logger.error("KV capacity exceeded during a step: %s", e)
-            for seq, _ in plan.scheduled:
-                live = self._live.get(seq.seq_id)
-                if live is not None:
-                    out.append(self._fail(live, f"the KV cache ran out of room: {e}", e))
-            return out
+        except Exception as e:  # noqa: BLE001 - contained: the culprit fails or is recomputed, the others retry
+            self.cache.rollback(batch)
+            return out + self._contain(e, [seq for seq, _ in plan.scheduled])
+        for i, (seq, _) in enumerate(plan.scheduled):
+            try:
+                self.cache.commit(batch.only(i))
+            except Exception as e:  # noqa: BLE001 - this sequence's KV is in doubt: only it is affected
+                out += self._contain(e, [seq])
+        # A sequence whose commit failed was requeued (waiting) or failed (gone): the rest completed the step.
+        plan.scheduled = [(seq, n) for seq, n in plan.scheduled
+                          if seq.seq_id in self._live and seq.status == SequenceStatus.RUNNING]
         self.scheduler.complete_step(plan)
         self.observer.on_prefill_tokens(num_prefill_tokens)
-        if not to_sample:
-            return out
-        greedy = logits.argmax(dim=-1).tolist()  # one op for every greedy sequence
+        done = {seq.seq_id for seq, _ in plan.scheduled}
+        greedy = logits.argmax(dim=-1).tolist() if to_sample else []  # one op for every greedy sequence
         now = time.perf_counter()
         for row, seq in enumerate(to_sample):
+            if seq.seq_id not in done:
+                continue
             live = self._live[seq.seq_id]
-            token = greedy[row] if live.request.params.is_greedy else live.sampler.sample(logits[row])
-            out.append(self._postprocess(live, token, now))
+            try:
+                token = greedy[row] if live.request.params.is_greedy else live.sampler.sample(logits[row])
+                out.append(self._postprocess(live, token, now))
+            except Exception as e:  # noqa: BLE001 - a sampling failure ends this sequence alone
+                logger.error("sequence %d failed while sampling: %s", seq.seq_id, e, exc_info=True)
+                out.append(self._fail(live, _client_message(e), e))
+        return out
+
+    def _contain(self, error: Exception, involved: list[Sequence]) -> list[Delivery]:
+        """A step failed. A fatal error (the device is lost) propagates; otherwise the sequence it names (or, when
+        it names none, every sequence involved) is recomputed once or failed; the rest simply run again."""
+        if is_fatal(error, self.device):
+            raise error
+        culprit = getattr(error, "seq_id", None)
+        hit = [seq for seq in involved if seq.seq_id == culprit] or involved
+        logger.error("a step failed for sequence(s) %s: %s: %s", [s.seq_id for s in hit], type(error).__name__,
+                     error, exc_info=not isinstance(error, FlashMemoryError))
+        out = []
+        for seq in hit:
+            live = self._live.get(seq.seq_id)
+            if live is None:
+                continue
+            seq.num_faults += 1
+            if isinstance(error, RECOVERABLE) and seq.num_faults <= MAX_RECOMPUTES:
+                self.cache.free_sequence(seq.seq_id)  # its KV (and the damaged block with it) is dropped
+                self.scheduler.requeue(seq)
+                self.observer.on_fault("recompute")
+            else:
+                out.append(self._fail(live, _client_message(error), error))
+                self.observer.on_fault("fail")
         return out
 
     def _apply(self, plan: StepPlan) -> None:

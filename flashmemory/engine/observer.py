@@ -19,6 +19,9 @@ class StepObserver(Protocol):
     def on_preempted(self, kind: str, n: int) -> None:
         """`n` sequences were preempted: kind "demote" or "recompute"."""
 
+    def on_fault(self, action: str) -> None:
+        """A sequence hit a failure while being served: action "recompute" (retried) or "fail" (ended)."""
+
 
 class NullObserver:
     """Observes nothing (the Python API)."""
@@ -33,4 +36,7 @@ class NullObserver:
         pass
 
     def on_preempted(self, kind: str, n: int) -> None:
+        pass
+
+    def on_fault(self, action: str) -> None:
         pass

@@ -70,6 +70,15 @@ class Scheduler:
                     return seq
         return None
 
+    def requeue(self, seq: Sequence) -> None:
+        """Its KV is gone (freed after a fault): wait at the head of the queue to be prefilled again, tokens kept."""
+        for queue in (self.running, self.parked):
+            if seq in queue:
+                queue.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED

@@ -36,6 +36,13 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return self.positions.shape[0]
 
+    def only(self, index: int) -> "ForwardBatch":
+        """The batch of slice `index` alone (positions of its own tokens)."""
+        s = self.slices[index]
+        single = SequenceSlice(s.seq_id, 0, s.num_new_tokens, s.num_cached_tokens)
+        positions = self.positions[s.token_start : s.token_end]
+        return ForwardBatch((single,), positions, s.num_cached_tokens + s.num_new_tokens - 1)
+
     @classmethod
     def build(cls, new_tokens: list[tuple[int, int, int]], device: torch.device) -> "ForwardBatch":
         """From (seq_id, num_cached_tokens, num_new_tokens) triples, in batch order."""
@@ -107,6 +114,9 @@ class KVCache(ABC):
     @abstractmethod
     def commit(self, batch: ForwardBatch) -> None:
         """Called once after all layers of a forward: the new tokens become part of their sequences."""
+
+    def rollback(self, batch: ForwardBatch) -> None:
+        """The forward failed before commit: forget what it stored so far (its sequences stay as they were)."""
 
     def has_sequence(self, seq_id: int) -> bool:
         return seq_id in self.sequence_ids()

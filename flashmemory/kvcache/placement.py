@@ -129,7 +129,11 @@ class Placement:
         slot = self.allocate(Level.DISK)
         k, v = self.codecs[Level.HOST].decode(self.levels[Level.HOST].read_block(block.slots[Level.HOST]), KV_DTYPE)
         disk = self.levels[Level.DISK]
-        disk.put(slot, self.codecs[Level.DISK].encode(k, v))
+        try:
+            disk.put(slot, self.codecs[Level.DISK].encode(k, v))
+        except Exception:
+            self.blocks.allocators[Level.DISK].free(slot)  # the block stays in L1, where it was
+            raise
         self.blocks.attach(seq_id, index, Level.DISK, slot)
         self._detach(seq_id, index, Level.HOST)
         self.bytes_moved["L1->L2"] += disk.bytes_per_slot

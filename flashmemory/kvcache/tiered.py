@@ -144,6 +144,13 @@ class TieredKVCache(KVCache):
     # ---- attention --------------------------------------------------------------------------------------------
 
     def attend_sequence(self, layer: int, s: SequenceSlice, q, k, v) -> torch.Tensor:
+        try:
+            return self._attend(layer, s, q, k, v)
+        except Exception as e:
+            _blame(e, s.seq_id)  # the engine fails or recomputes this sequence only
+            raise
+
+    def _attend(self, layer: int, s: SequenceSlice, q, k, v) -> torch.Tensor:
         # q: [n, num_heads, head_dim]; k, v: [n, num_kv_heads, head_dim]
         seq = self.seqs[s.seq_id]
         new_k = k.transpose(0, 1).to(KV_DTYPE)  # [num_kv_heads, n, head_dim]
@@ -153,7 +160,7 @@ class TieredKVCache(KVCache):
         decoding = s.num_new_tokens == 1
         selecting = decoding and self.cfg.selection == "quest"
         if seq.plan is None:
-            seq.plan = self.reader.plan(s.seq_id, seq, with_digest=selecting)
+            seq.plan = self.reader.plan(s.seq_id, seq, decoding, with_digest=selecting)
         reads = [LevelRead(level, plan, self.reader.choose(level, plan, q, layer)
                            if selecting and level != Level.DEVICE else None) for level, plan in seq.plan.items()]
         if decoding:
@@ -164,10 +171,23 @@ class TieredKVCache(KVCache):
 
     def commit(self, batch: ForwardBatch) -> None:
         for s in batch.slices:
-            self._commit_one(s)
+            try:
+                self._commit_one(s)
+            except Exception as e:
+                _blame(e, s.seq_id)
+                raise
             if s.num_new_tokens == 1:
                 for observer in self.choice_observers:
                     observer.on_step_end(s.seq_id)
+
+    def rollback(self, batch: ForwardBatch) -> None:
+        for s in batch.slices:
+            seq = self.seqs.get(s.seq_id)
+            if seq is not None:
+                seq.pending.clear()
+                seq.plan = None
+                for observer in self.choice_observers:
+                    observer.on_step_abort(s.seq_id)
 
     def _commit_one(self, s: SequenceSlice) -> None:
         seq = self.seqs[s.seq_id]
@@ -250,3 +270,12 @@ class TieredKVCache(KVCache):
             self.device_staging.close()
         for level in self.levels.values():
             level.close()
+
+
+def _blame(error: Exception, seq_id: int) -> None:
+    """Name the sequence being served on an error raised while serving it (unless a deeper frame already did)."""
+    if getattr(error, "seq_id", None) is None:
+        try:
+            error.seq_id = seq_id  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type that takes no attributes: the engine fails the whole step
+            pass

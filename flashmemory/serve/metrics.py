@@ -91,6 +91,8 @@ class _KVCollector(Collector):
         moved = family("counter", "kv_bytes_moved", "KV bytes written into a level, by source level ('new' = fresh KV)",
                        ["source"])
         read = family("counter", "kv_bytes_read", "KV bytes read back from a level's storage")
+        committed = family("gauge", "kv_bytes_committed", "Memory or disk the OS has committed to a level so far "
+                           "(host pages touched, the sparse cold file's allocated blocks); stays at the working set")
         failures = family("counter", "kv_load_failures", "Blocks that failed to load from a level, by reason",
                           ["reason"])
         for tier in TIERS:
@@ -112,11 +114,13 @@ class _KVCollector(Collector):
                     failures.add_metric(lv + [reason], s.get(f"{tier}_load_failures_{reason}", 0))
             if f"{tier}_bytes_read" in s:
                 read.add_metric(lv, s[f"{tier}_bytes_read"])
+            if f"{tier}_bytes_committed" in s:
+                committed.add_metric(lv, s[f"{tier}_bytes_committed"])
         for key, value in s.items():
             if key.startswith("bytes_moved_"):
                 source, _, dest = key.removeprefix("bytes_moved_").partition("->")
                 moved.add_metric([self.model_name, dest, source], value)
-        yield from (usage, blocks, blocks_total, nbytes, capacity, selected, moved, read, failures)
+        yield from (usage, blocks, blocks_total, nbytes, capacity, selected, moved, read, failures, committed)
         yield from self._series(PREFETCH_SERIES)
 
     def _series(self, table: tuple[StatSeries, ...]) -> Iterator[Metric]:
@@ -161,6 +165,11 @@ class ServerMetrics:
                                              buckets=ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e_request_latency = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token", m,
                                              buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self._faults = Counter(PREFIX + "sequence_faults", "Failures while serving a sequence (a corrupt cold block, a "
+                               "full disk, a sampling error): 'recompute' retried it from its tokens, 'fail' ended it "
+                               "with an error; other sequences are not affected", m + ["action"], registry=r)
+        for action in ("recompute", "fail"):
+            self._faults.labels(model_name, action)
         for kind in ("demote", "recompute"):
             self._preemptions.labels(model_name, kind)
         for reason in ("stop", "length", "abort", "error"):
@@ -171,6 +180,9 @@ class ServerMetrics:
 
     def count_preemption(self, kind: str, n: int = 1) -> None:
         self._preemptions.labels(self.model_name, kind).inc(n)
+
+    def count_fault(self, action: str) -> None:
+        self._faults.labels(self.model_name, action).inc()
 
     def count_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()

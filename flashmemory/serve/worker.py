@@ -53,6 +53,9 @@ class _MetricsObserver:
         self.metrics.count_preemption(kind, n)
         self.stats.record(preemptions=n)
 
+    def on_fault(self, action: str) -> None:
+        self.metrics.count_fault(action)
+
 
 class EngineWorker:
     """Owns the engine thread, the engine and its core; the inbox and the outputs waiting to be sent."""

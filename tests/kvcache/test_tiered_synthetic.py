@@ -74,3 +74,17 @@ def test_quantized_levels_stay_close_and_selection_reads_a_fraction(tmp_path):
     assert errors["exact"] < 0.4 and errors["exact"] < errors["quest"]
     assert fractions["exact"] == (0.0, 0.0)  # nothing selected: every block read
     assert 0 < fractions["quest"][1] < 1 and 0 < fractions["quest"][0] <= 1
+
+
+def test_memory_and_disk_the_os_commits_stay_at_the_working_set(tmp_path):
+    cache = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path), host_slots=4096, disk_slots=4096))
+    committed = []
+    for i in range(30):  # one request after another: each grows into L2, then is freed
+        seq = SyntheticSequence(i, 80, seed=i)
+        cache.add_sequence(i)
+        seq.forward(cache, 0, 80)
+        stats = cache.stats()
+        committed.append((stats["L1_bytes_committed"], stats["L2_bytes_committed"]))
+        cache.free_sequence(i)
+    assert committed[-1] == committed[0]  # slots are reused most-recently-freed first: no creep over the pool
+    cache.close()

@@ -51,6 +51,9 @@ def test_metrics_parse_and_show_requests_tokens_latencies_and_every_tier(http):
     assert {s.labels["reason"] for s in m[p + "kv_load_failures"].samples} == {"missing", "truncated", "checksum",
                                                                              "header"}
     assert value(m[p + "kv_blocks"], tier="L2") == 0  # the finished request's blocks are freed
+    # What the OS committed to each level stays after the request (the working set), and faults are counted.
+    assert value(m[p + "kv_bytes_committed"], tier="L1") > 0 and value(m[p + "kv_bytes_committed"], tier="L2") > 0
+    assert {s.labels["action"] for s in m[p + "sequence_faults"].samples} == {"recompute", "fail"}
     # No prefetcher in this server: no prefetch series (rather than zeros claiming one that never hits).
     assert not [name for name in m if name.startswith((p + "prefetch_", p + "device_staging_"))]
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from flashmemory import FlashMemoryEngine
-from flashmemory.errors import CapacityError
+from flashmemory.errors import CapacityError, DeviceLostError
 from tests.serve.conftest import TINY_KV, live_server
 
 LONG = {"prompt": "Alice was", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
@@ -81,6 +81,28 @@ def test_an_error_mid_stream_sends_an_error_chunk_then_done_and_frees_the_blocks
         assert http.get("/health").status_code == 200
 
 
+def test_a_bug_in_one_step_fails_that_stream_and_the_engine_goes_on(kwargs):
+    with live_server(kwargs) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        model = server.worker.engine.model
+        calls = []
+
+        def broken_once(*args, **kw):
+            calls.append(1)
+            if len(calls) == 4:
+                raise RuntimeError("simulated bug with internal details")
+            return type(model).forward(model, *args, **kw)
+
+        model.forward = broken_once
+        with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            events = sse_events(r)
+        assert events[-1] == "[DONE]"
+        message = events[-2]["error"]["message"]
+        assert "internal details" not in message and "server log" in message  # no internals leak
+        assert http.get("/health").status_code == 200
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}).status_code == 200
+        assert server.wait_until(server.kv_idle)
+
+
 def test_a_dead_engine_ends_streams_with_an_error_and_health_turns_503(kwargs):
     with live_server(kwargs) as server, httpx.Client(base_url=server.url, timeout=30) as http:
         model = server.worker.engine.model
@@ -88,8 +110,8 @@ def test_a_dead_engine_ends_streams_with_an_error_and_health_turns_503(kwargs):
 
         def broken_forward(*args, **kw):
             calls.append(1)
-            if len(calls) > 3:
-                raise RuntimeError("simulated bug with internal details")
+            if len(calls) > 3:  # the device is lost: only this kind of failure stops the engine
+                raise DeviceLostError("simulated device loss with internal details")
             return type(model).forward(model, *args, **kw)
 
         model.forward = broken_forward

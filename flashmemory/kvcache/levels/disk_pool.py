@@ -11,6 +11,7 @@ written; any failure raises ColdBlockError and is counted by reason. A corrupt b
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import tempfile
@@ -21,7 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flashmemory.errors import ColdBlockError, ConfigError
+from flashmemory.errors import ColdBlockError, ColdZoneFullError, ColdZoneWriteError, ConfigError
+from flashmemory.kvcache.levels import cold_files
+from flashmemory.kvcache.levels.file_io import PositionalIO
 from flashmemory.kvcache.levels.protocol import Slots
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.quant import Codec, Parts
@@ -46,8 +49,10 @@ class DiskPool:
         head_dim: int,
         directory: str | os.PathLike | None,
         model_fingerprint: bytes,
+        io: PositionalIO | None = None,
     ) -> None:
         self.codec = codec
+        self.io = io or PositionalIO()  # positional reads/writes (a fault-injecting one in stress tests)
         self.num_slots = num_slots
         self.num_layers = num_layers
         self.lead = (num_kv_heads,)
@@ -60,6 +65,7 @@ class DiskPool:
         self.record_bytes = -(-(self.header_bytes + num_layers * self.segment_bytes) // 4096) * 4096
         self.bytes_per_slot = num_layers * self.segment_bytes
         self.load_failures: dict[str, int] = {"missing": 0, "truncated": 0, "checksum": 0, "header": 0}
+        self.write_failures: dict[str, int] = {"full": 0, "io": 0}
         self.bytes_written = 0
         self.bytes_read = 0
         self._crcs: dict[int, list[int]] = {}  # slot -> per-layer crc32 of what was written
@@ -70,12 +76,15 @@ class DiskPool:
         self._counter_lock = threading.Lock()  # reads also come from prefetch threads
         self._owned_dir: tempfile.TemporaryDirectory | None = None
         if directory is None:
-            self._owned_dir = tempfile.TemporaryDirectory(prefix="flashmemory-cold-")
+            cold_files.remove_orphan_temp_dirs()
+            self._owned_dir = tempfile.TemporaryDirectory(prefix=cold_files.TEMP_DIR_PREFIX)
             directory = self._owned_dir.name
         folder = Path(directory)
         try:
             folder.mkdir(parents=True, exist_ok=True)
+            cold_files.remove_orphans(folder)
             fd, name = tempfile.mkstemp(prefix="kv-", suffix=".cold", dir=folder)
+            cold_files.hold(fd)
         except OSError as e:
             raise ConfigError(
                 f"cold_zone_dir {str(folder)!r} is not writable ({e.strerror}); choose another folder or set "
@@ -130,15 +139,27 @@ class DiskPool:
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def put(self, slot: int, parts: Parts) -> None:
-        """Write a block (parts shaped [num_layers, num_kv_heads, ...]) into `slot` with one pwrite."""
+        """Write a block (parts shaped [num_layers, num_kv_heads, ...]) into `slot`, completely or not at all as far
+        as readers know: a failed write raises ColdZoneFullError (no room) or ColdZoneWriteError, counted, and the
+        slot holds no block afterwards (the caller gives it back)."""
         self._generations[slot] = self._generations.get(slot, 0) + 1
+        self._crcs.pop(slot, None)  # from here until the write completes, the slot serves nothing
         segments = [self._segment(parts, layer) for layer in range(self.num_layers)]
         crcs = [zlib.crc32(s) for s in segments]
         fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, self.codec.bits, self.num_layers, self.lead[0],
                             self.block_size, self.head_dim, self.fingerprint)
         head = fixed + struct.pack(f"<{self.num_layers}I", *crcs)
         record = head + struct.pack("<I", zlib.crc32(head)) + b"".join(segments)
-        os.pwrite(self._fd, record, slot * self.record_bytes)
+        try:
+            self.io.pwrite(self._fd, record, slot * self.record_bytes)
+        except OSError as e:
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+            with self._counter_lock:
+                self.write_failures["full" if full else "io"] += 1
+            if full:
+                raise ColdZoneFullError(f"the cold zone's disk is full ({self.path.parent}: {e.strerror}); free disk "
+                                        "space, lower cold_zone_gb, or shorten the context") from e
+            raise ColdZoneWriteError(f"writing cold slot {slot} to {self.path} failed: {e.strerror or e}") from e
         self._crcs[slot] = crcs
         self.bytes_written += len(record)
 
@@ -146,7 +167,10 @@ class DiskPool:
         """Forget a slot: its magic is zeroed so stale bytes can never be read back as a block."""
         self._generations[slot] = self._generations.get(slot, 0) + 1
         if self._crcs.pop(slot, None) is not None and self._fd >= 0:
-            os.pwrite(self._fd, b"\0\0\0\0", slot * self.record_bytes)
+            try:
+                self.io.pwrite(self._fd, b"\0\0\0\0", slot * self.record_bytes)
+            except OSError:
+                pass  # its checksums are gone, so the stale bytes are never served either way
 
     def generation_of(self, slot: int) -> int:
         return self._generations.get(slot, 0)
@@ -165,7 +189,7 @@ class DiskPool:
         if expected is None:
             raise self._fail("header", f"cold block slot {slot} holds no block", count_failures)
         offset = slot * self.record_bytes + self.header_bytes + layer * self.segment_bytes
-        data = os.pread(self._fd, self.segment_bytes, offset)
+        data = self.io.pread(self._fd, self.segment_bytes, offset)
         if self.uncached_reads:
             os.posix_fadvise(self._fd, slot * self.record_bytes, self.record_bytes, os.POSIX_FADV_DONTNEED)
         if len(data) < self.segment_bytes:
@@ -185,7 +209,16 @@ class DiskPool:
         with self._counter_lock:
             out = {"bytes_read": self.bytes_read}
             out.update({f"load_failures_{reason}": n for reason, n in self.load_failures.items()})
+            out.update({f"write_failures_{reason}": n for reason, n in self.write_failures.items()})
+        out["bytes_committed"] = self.committed_bytes()
         return out
+
+    def committed_bytes(self) -> int:
+        """Disk space the (sparse) file really takes now."""
+        try:
+            return os.fstat(self._fd).st_blocks * 512 if self._fd >= 0 else 0
+        except (OSError, AttributeError):  # st_blocks is POSIX-only
+            return 0
 
     def check_medium(self) -> None:
         self.check_file()
@@ -208,7 +241,7 @@ class DiskPool:
 
     def verify_header(self, slot: int) -> None:
         """Check a slot's on-disk header (magic, version, shape, fingerprint, header crc)."""
-        raw = os.pread(self._fd, self.header_bytes, slot * self.record_bytes)
+        raw = self.io.pread(self._fd, self.header_bytes, slot * self.record_bytes)
         if len(raw) < self.header_bytes:
             raise self._fail("truncated", f"cold zone file {self.path} is truncated at slot {slot}")
         head, (crc,) = raw[:-4], struct.unpack("<I", raw[-4:])

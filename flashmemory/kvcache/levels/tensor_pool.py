@@ -50,6 +50,7 @@ class TensorPool:
         # Bumped by put() before it writes a slot: a copy of a slot's bytes (device staging) is served only while
         # the slot's generation is the one the copy was issued under. On the CPU whatever the pool's device.
         self.generation = torch.zeros(num_slots, dtype=torch.int64)
+        self.high_water_slots = 0  # slots ever written: the OS commits memory as they are touched
 
     @property
     def capacity_bytes(self) -> int:
@@ -68,6 +69,7 @@ class TensorPool:
     def put(self, slot: int, parts: Parts) -> None:
         """Store an encoded block (parts shaped [num_layers, num_kv_heads, ...]) in `slot`."""
         self.generation[slot] += 1  # before the write: a copy racing with it is never served
+        self.high_water_slots = max(self.high_water_slots, slot + 1)
         record = self.storage[:, :, slot]  # [L, heads, record_bytes]
         for name, tensor in parts.items():
             off, size, _, dtype = self.layout[name]
@@ -98,7 +100,8 @@ class TensorPool:
         return self._parts(records.to(self.device))
 
     def counters(self) -> dict[str, int]:
-        return {}
+        # Allocated lazily by the OS: the pages touched so far (slots are reused most-recently-freed first).
+        return {"bytes_committed": self.high_water_slots * self.bytes_per_slot}
 
     def close(self) -> None:
         """Memory is released with the pool."""

@@ -49,6 +49,13 @@ class TraceRecorder:
     def on_step_end(self, seq_id: int) -> None:
         pass
 
+    def on_step_abort(self, seq_id: int) -> None:
+        """Drop the failed step's choices (the last step recorded for the sequence)."""
+        steps = [e.step for e in self.events if e.seq_id == seq_id]
+        if steps:
+            last = max(steps)
+            self.events = [e for e in self.events if not (e.seq_id == seq_id and e.step == last)]
+
     def __len__(self) -> int:
         return len(self.events)
 

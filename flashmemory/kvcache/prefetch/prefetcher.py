@@ -114,6 +114,11 @@ class Prefetcher:
         """A layer's choice during a decode step: kept (no copy, no work) until the step ends."""
         self._choices.setdefault((choice.seq_id, choice.level), []).append(choice)
 
+    def on_step_abort(self, seq_id: int) -> None:
+        """The step failed part-way: drop the choices it made so far (the step runs again)."""
+        for key in [k for k in self._choices if k[0] == seq_id]:
+            del self._choices[key]
+
     def on_step_end(self, seq_id: int) -> None:
         """The decode step of `seq_id` read every layer: fold its choices into the statistics, rank every layer's
         L2 candidates in one batched call and make the top ones per KV head each layer's wanted set; with device

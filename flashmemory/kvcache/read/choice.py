@@ -31,3 +31,6 @@ class ChoiceObserver(Protocol):
     def on_choose(self, choice: LayerChoice) -> None: ...
 
     def on_step_end(self, seq_id: int) -> None: ...
+
+    def on_step_abort(self, seq_id: int) -> None:
+        """The step failed before it ended: forget its choices (it will run again)."""

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from flashmemory.kvcache.manager.blocks import BlockTable, Level
+from flashmemory.kvcache.manager.blocks import BlockEntry, BlockTable, Level
 
 
 @dataclass
@@ -23,17 +24,27 @@ class LevelPlan:
     index_tensor: torch.Tensor | None = None  # `indices` as a CPU int64 tensor (made once, for choice observers)
 
 
+def primary_copy(block: BlockEntry) -> Level:
+    """The copy a decode step reads: the fastest."""
+    return block.primary
+
+
 def plan_reads(seq_id: int, table: BlockTable, num_tokens: int, digest: torch.Tensor | None,
-               devices: dict[Level, torch.device], with_digest: bool) -> dict[Level, LevelPlan]:
-    """Per level, the blocks a forward reads from it: each block from its primary (fastest) copy.
+               devices: dict[Level, torch.device], with_digest: bool,
+               copy_of: Callable[[BlockEntry], Level] = primary_copy) -> dict[Level, LevelPlan]:
+    """Per level, the blocks a forward reads from it: each block from the copy `copy_of` picks.
 
     devices: where each level's slot numbers are used (the pool's device; the CPU for a file).
     digest: the sequence's key digests [num_layers, num_kv_heads, capacity_blocks, 2 * head_dim], sliced for
     selection when `with_digest` (decode steps of query-aware selection).
     """
+    by_level: dict[Level, list[int]] = {level: [] for level in devices}
+    for i, block in enumerate(table.blocks):
+        if block.slots:
+            by_level[copy_of(block)].append(i)
     plans = {}
     for level in devices:
-        indices = table.blocks_on(level)
+        indices = by_level[level]
         if not indices:
             continue
         slots = [table.blocks[i].slots[level] for i in indices]

@@ -16,10 +16,10 @@ import torch
 from flashmemory.kvcache.config import TieredCacheConfig
 from flashmemory.kvcache.levels.protocol import StorageLevel
 from flashmemory.kvcache.levels.tensor_pool import TensorPool
-from flashmemory.kvcache.manager.blocks import BlockManager, Level
+from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
 from flashmemory.kvcache.quant import Codec, Parts
 from flashmemory.kvcache.read.choice import ChoiceObserver, LayerChoice
-from flashmemory.kvcache.read.plan import LevelPlan, plan_reads
+from flashmemory.kvcache.read.plan import LevelPlan, plan_reads, primary_copy
 from flashmemory.kvcache.read.selection import block_scores, select_blocks, top_blocks
 from flashmemory.kvcache.sequence_state import SequenceKV
 
@@ -74,9 +74,22 @@ class BlockReader:
         pool = self.levels.get(level)
         return pool if isinstance(pool, TensorPool) else None
 
-    def plan(self, seq_id: int, seq: SequenceKV, with_digest: bool) -> dict[Level, LevelPlan]:
-        """Per level, the blocks this forward reads from it (computed once, used by every layer)."""
-        return plan_reads(seq_id, self.blocks.tables[seq_id], seq.num_tokens, seq.digest, self._devices, with_digest)
+    def plan(self, seq_id: int, seq: SequenceKV, decoding: bool, with_digest: bool) -> dict[Level, LevelPlan]:
+        """Per level, the blocks this forward reads from it (computed once, used by every layer).
+
+        A decode step reads each block's fastest copy. A prefill chunk reads the exact (FP16) copy wherever a
+        block has one, so a prompt's KV does not depend on where the scheduler split its prefill (only blocks
+        already moved to a lossy L2 are read lossy)."""
+        copy_of = primary_copy if decoding else self._exact_copy
+        return plan_reads(seq_id, self.blocks.tables[seq_id], seq.num_tokens, seq.digest, self._devices, with_digest,
+                          copy_of)
+
+    def _exact_copy(self, block: BlockEntry) -> Level:
+        """The fastest copy stored without loss (FP16), else the fastest."""
+        for level in sorted(block.slots):
+            if self.codecs[level].bits == 16:
+                return level
+        return block.primary
 
     def budget(self, level: Level, num_candidates: int) -> int:
         """Blocks a decode step reads from a level: L1 a token budget, L2 a fraction of its blocks."""

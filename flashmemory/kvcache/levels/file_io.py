@@ -1,0 +1,46 @@
+"""Positional file I/O for the disk level: os.pread/os.pwrite where the OS has them, a locked seek then read/write
+elsewhere (Windows); a write is complete or raises, never short."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+
+class PositionalIO:
+    """Reads and writes at an offset without moving a shared file position (or under a lock where it must)."""
+
+    def __init__(self, portable: bool | None = None) -> None:
+        # portable=True forces the seek-based path (tests run it on Linux); None picks what the OS offers.
+        self.portable = not (hasattr(os, "pread") and hasattr(os, "pwrite")) if portable is None else portable
+        self._lock = threading.Lock()
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes:
+        """Up to `size` bytes at `offset` (fewer only at the end of the file)."""
+        if not self.portable:
+            return os.pread(fd, size, offset)
+        with self._lock:
+            os.lseek(fd, offset, os.SEEK_SET)
+            chunks, left = [], size
+            while left:
+                chunk = os.read(fd, left)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
+            return b"".join(chunks)
+
+    def pwrite(self, fd: int, data: bytes, offset: int) -> None:
+        """Write all of `data` at `offset`; an OSError (e.g. ENOSPC) propagates, a write of 0 bytes raises."""
+        view = memoryview(data)
+        while view:
+            if self.portable:
+                with self._lock:
+                    os.lseek(fd, offset, os.SEEK_SET)
+                    written = os.write(fd, view)
+            else:
+                written = os.pwrite(fd, view, offset)
+            if written <= 0:
+                raise OSError(0, f"the file accepted none of {len(view)} bytes at offset {offset}")
+            view = view[written:]
+            offset += written
