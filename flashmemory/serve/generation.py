@@ -23,6 +23,7 @@ from flashmemory.serve.protocol import (
 )
 from flashmemory.serve.state import ServerState
 from flashmemory.engine.request import SequenceOutput, SequenceRequest
+from flashmemory.engine.sampling import choice_seed
 
 _POLL_S = 1.0  # how often a waiting request checks that the engine is still alive
 DONE = "data: [DONE]\n\n"
@@ -145,7 +146,7 @@ def _sequence_requests(state: ServerState, req: CompletionRequest | ChatCompleti
         if reason is not None:
             raise APIError(400, reason, param="max_tokens", code="kv_capacity_exceeded")
         for j in range(req.n):
-            seed = None if req.seed is None else req.seed + j  # distinct choices, reproducible as a set
+            seed = None if req.seed is None else choice_seed(req.seed, j)  # distinct choices, reproducible
             out.append(SequenceRequest(p_index * req.n + j, ids, sampling_params(req, max_tokens, seed), arrival_s))
     return out
 
