@@ -20,6 +20,7 @@ def run_server(args: argparse.Namespace) -> int:
     """Serve until interrupted; returns the exit status. Bad settings raise FlashMemoryError before binding."""
     import uvicorn
 
+    from flashmemory.engine.sizing import check_host_budget
     from flashmemory.model.loader import resolve_model_path
     from flashmemory.serve.app import create_app
 
@@ -27,7 +28,9 @@ def run_server(args: argparse.Namespace) -> int:
     log_level = (args.serve_log_level or "info").lower()
     config = server_config(args, log_level)  # refuses a public host without a key
     kwargs = engine_kwargs(args)
-    EngineConfig.from_kwargs(**kwargs)  # a bad setting fails now, not after the server is up
+    engine_config = EngineConfig.from_kwargs(**kwargs)  # a bad setting fails now, not after the server is up
+    if engine_config.kv_cache == "tiered":
+        check_host_budget(engine_config)  # so does an L1 pool over the free RAM or an L2 file over the free disk
     resolve_model_path(kwargs["model_path"])  # so does a missing model
     logging.getLogger().setLevel(log_level.upper() if log_level != "trace" else "DEBUG")
     logging.getLogger("flashmemory").setLevel(log_level.upper() if log_level != "trace" else "DEBUG")
