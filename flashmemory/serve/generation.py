@@ -33,6 +33,13 @@ class ClientGone(Exception):
     """The HTTP client disconnected; its sequences were aborted."""
 
 
+class _Ended:
+    """Queued to a RequestStream that the server ends (at shutdown) before its sequences finish."""
+
+    def __init__(self, error: APIError) -> None:
+        self.error = error
+
+
 class RequestStream:
     """Event-loop side of one API request: its sequences' ids, the queue their outputs arrive on, abort.
 
@@ -43,7 +50,7 @@ class RequestStream:
     def __init__(self, state: ServerState, num_seqs: int) -> None:
         self.state = state
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[SequenceOutput | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[SequenceOutput | _Ended | None] = asyncio.Queue()
         self.num_seqs = num_seqs
         self.seq_ids: list[int] = []
         self.finished: set[int] = set()  # choice indices whose last output was consumed
@@ -67,6 +74,11 @@ class RequestStream:
     def submit(self, requests: list[SequenceRequest]) -> None:
         self.state.reserve(len(requests))
         self.seq_ids = self.state.worker.submit(requests, self.push)
+        self.state.streams.add(self)
+
+    def end(self, error: APIError) -> None:
+        """End the request with `error` (its consumer raises it; closing then aborts what is unfinished)."""
+        self.queue.put_nowait(_Ended(error))
 
     async def outputs(self) -> AsyncIterator[SequenceOutput]:
         while len(self.finished) < self.num_seqs:
@@ -79,6 +91,8 @@ class RequestStream:
                 continue
             if out is None:
                 raise ClientGone()
+            if isinstance(out, _Ended):
+                raise out.error
             if out.error is not None:
                 self.finished.add(out.index)
                 raise APIError(500, out.error, code="generation_failed")
@@ -95,6 +109,7 @@ class RequestStream:
         if self._closed:
             return
         self._closed = True
+        self.state.streams.discard(self)
         unfinished = [sid for i, sid in enumerate(self.seq_ids) if i not in self._done]
         if unfinished:
             self.state.worker.abort(unfinished)
