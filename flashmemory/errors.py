@@ -54,6 +54,10 @@ class MemoryBudgetError(ConfigError):
     """The device-memory budget cannot hold the weights, the workspace and the hot KV window."""
 
 
+class HostBudgetError(ConfigError):
+    """cpu_memory_gb or cold_zone_gb asks for more RAM or disk than the machine has free."""
+
+
 class CapacityError(FlashMemoryError, MemoryError):
     """A KV level is full at run time and nothing can be demoted (e.g. host memory with the cold zone off)."""
 

@@ -37,7 +37,8 @@ ENGINE_SAMPLES = {
 SERVER_SAMPLES = {
     "host": "localhost", "port": 9001, "api_key": "k", "allow_unauthenticated": True, "enable_streaming": False,
     "served_model_name": "tiny", "max_body_bytes": 1024, "max_n": 2, "max_tokens_limit": 64,
-    "max_pending_requests": 4, "max_num_batched_tokens": 256, "stats_log_interval_s": 0.5, "log_level": "debug",
+    "max_pending_requests": 4, "max_num_batched_tokens": 256, "shutdown_timeout_s": 2.5,
+    "stats_log_interval_s": 0.5, "log_level": "debug",
 }
 SAMPLES = {EngineConfig: ENGINE_SAMPLES, ServerConfig: SERVER_SAMPLES}
 FIELDS = [(cls, name) for cls in SAMPLES for name in field_names(cls)]

@@ -19,7 +19,7 @@ from flashmemory.engine.sampling import SamplingParams
 from flashmemory.engine.scheduling_policy import POLICIES, SchedulingPolicy
 from flashmemory.engine.stats import GenerationStats, peak_memory
 from flashmemory.errors import ConfigError, FlashMemoryError, PromptTooLongError
-from flashmemory.engine.sizing import DevicePlan, plan_device, tiered_config
+from flashmemory.engine.sizing import DevicePlan, check_host_budget, plan_device, tiered_config
 from flashmemory.kvcache.contiguous import ContiguousKVCache
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
 from flashmemory.kvcache.tiered import TieredKVCache
@@ -52,7 +52,9 @@ class FlashMemoryEngine:
                 f"({model_limit} tokens); lower max_seq_len or leave it unset"
             )
         self.max_seq_len = self.config.max_seq_len or model_limit
-        self.device_plan = self._plan_device()  # before loading weights: a budget that cannot work fails fast
+        # Before loading weights: a budget that cannot work fails fast.
+        self._check_host_budget(self.config)
+        self.device_plan = self._plan_device()
         self.model = build_model(checkpoint, self.device, self.dtype)
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint.path, checkpoint.config.eos_token_ids)
         self.cache: KVCache = self._build_cache()
@@ -83,6 +85,12 @@ class FlashMemoryEngine:
         block_size = cfg.resolve_block_size(self.max_seq_len)
         tiered = tiered_config(cfg, mc, self.device_plan, block_size, self.device, f"{self.model_path}:{mc}")
         return TieredKVCache(tiered)
+
+    @staticmethod
+    def _check_host_budget(config: EngineConfig) -> None:
+        """L1 against the free RAM, L2 against the free disk (the tiered cache only: the contiguous one uses neither)."""
+        if config.kv_cache == "tiered":
+            check_host_budget(config)
 
     def _plan_device(self) -> DevicePlan | None:
         """Split the device budget (weights, workspace, L0 KV); None for the contiguous cache."""
@@ -228,6 +236,7 @@ class FlashMemoryEngine:
             raise ConfigError(f"unknown KV setting(s) {', '.join(unknown)}; valid: {', '.join(kv_names)}")
         defaults = EngineConfig()
         new_config = self.config.replace(**{**{n: getattr(defaults, n) for n in kv_names}, **knobs})
+        self._check_host_budget(new_config)
         self.close()
         self.config = new_config
         self.cache = self._build_cache()

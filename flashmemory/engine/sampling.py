@@ -1,13 +1,33 @@
-"""SamplingParams (validated) and the sampler: greedy, temperature, top-k, top-p, seeded."""
+"""SamplingParams (validated) and the sampler: greedy, temperature, top-k, top-p, seeded.
+
+The sampler works on float32 logits, so the accepted ranges are the ones float32 can carry:
+
+- temperature: 0 or any number up to FLOAT32_MAX (above it the divisor would be inf in float32). Below
+  GREEDY_BELOW_TEMPERATURE (1e-5, vLLM's sampling epsilon) sampling is greedy: that is the limit of the
+  distribution, and dividing logits by a smaller number only tests float32's overflow.
+- top_p: in [FLOAT32_TINY, 1]. A smaller positive top_p rounds to 0 (or to a subnormal a CPU may flush to 0)
+  in float32, where the comparison with the cumulative probabilities would drop every token. Any top_p below
+  1 / vocabulary size keeps the most likely token only.
+- seed: 0 <= seed < 2**64, the range of torch.Generator.manual_seed. Choice i of n uses choice_seed(seed, i).
+"""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from flashmemory.errors import SamplingParamsError
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: the largest accepted temperature
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # 1.2e-38: the smallest normal float32, the least top_p
+GREEDY_BELOW_TEMPERATURE = 1e-5  # a smaller positive temperature samples greedily (as vLLM's _SAMPLING_EPS)
+SEED_MODULUS = 2**64  # seeds are 64-bit: 0 <= seed < SEED_MODULUS
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed`: distinct per choice, reproducible, in range."""
+    return (seed + index) % SEED_MODULUS
 
 
 @dataclass(frozen=True)
@@ -15,10 +35,10 @@ class SamplingParams:
     """How to pick each next token, and when to stop."""
 
     max_new_tokens: int = 256  # upper bound on generated tokens
-    temperature: float = 0.0  # 0 = greedy (argmax); > 0 divides the logits
-    top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
-    top_k: int = 0  # keep the k most likely tokens; 0 = no limit
-    seed: int | None = None  # same seed, same prompt, same settings -> same text
+    temperature: float = 0.0  # 0 (and anything below 1e-5) = greedy; otherwise divides the logits; at most 3.4e38
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p; in [1.2e-38, 1]
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 = no limit (as does any k >= the vocabulary size)
+    seed: int | None = None  # 0 <= seed < 2**64; same seed, same prompt, same settings -> same text
     stop: tuple[str, ...] = field(default_factory=tuple)  # strings that end generation (not included in the output)
     ignore_eos: bool = False  # keep generating past end-of-sequence tokens
 
@@ -26,16 +46,18 @@ class SamplingParams:
         def bad(param: str, message: str) -> SamplingParamsError:
             return SamplingParamsError(f"{param}: {message}", param=param)
 
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise bad("max_new_tokens", f"must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", f"must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_real(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
+            raise bad("temperature", f"must be a number in [0, {FLOAT32_MAX:.7g}] (0 = greedy; the upper bound is "
+                      f"float32's largest), got {self.temperature!r}")
+        if not _is_real(self.top_p) or not FLOAT32_TINY <= self.top_p <= 1:
+            raise bad("top_p", f"must be a number in [{FLOAT32_TINY:.7g}, 1] (smaller values are 0 in float32; 1 = "
+                      f"no limit), got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", f"must be an integer >= 0 (0 or -1 = no limit), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise bad("seed", f"must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_MODULUS):
+            raise bad("seed", f"must be an integer in [0, 2**64), or None, got {self.seed!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or s == "" for s in stop):
             raise bad("stop", f"must be non-empty strings, got {self.stop!r}")
@@ -43,10 +65,15 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_real(x: object) -> bool:
+    # NOTE: NaN and inf fail the range checks above, so no separate isfinite test is needed.
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
@@ -67,15 +94,20 @@ class Sampler:
         p = self.params
         if p.is_greedy:
             return int(torch.argmax(logits))
-        logits = logits / p.temperature
-        if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        logits = logits.float()  # [vocab]
+        if 0 < p.top_k < logits.shape[-1]:
+            # Before the temperature: a huge temperature would turn distinct logits into ties.
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
+        # NOTE: shifting by the max first makes every scaled logit <= 0 with the best one exactly 0, so a small
+        # temperature can overflow only to -inf (probability 0), never to +inf (inf - inf = NaN in the softmax).
+        logits = (logits - logits.max()) / p.temperature
         if p.top_p < 1.0:
             sorted_logits, order = torch.sort(logits, descending=True)
             probs = torch.softmax(sorted_logits, dim=-1)
-            # Drop a token when the tokens before it already reach top_p (the first token always stays).
+            # Drop a token when the tokens before it already reach top_p.
             drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
+            drop[0] = False  # the most likely token always stays, whatever float32 makes of a tiny top_p
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
         probs = torch.softmax(logits, dim=-1)

@@ -1,20 +1,29 @@
-"""Start-up sizing of the KV levels: the device budget check (vLLM-style message) and slot counts per level."""
+"""Start-up sizing of the KV levels: the device budget check (vLLM-style message), the host checks (L1 against the
+RAM, L2 against the disk) and slot counts per level."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from flashmemory.config import EngineConfig
-from flashmemory.errors import MemoryBudgetError
+from flashmemory.errors import HostBudgetError, MemoryBudgetError
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.config import TieredCacheConfig, level_codecs
 from flashmemory.model.model_config import ModelConfig
 
+logger = logging.getLogger(__name__)
+
 MIB = 2**20
 GIB = 2**30
+MEMINFO = Path("/proc/meminfo")
 
 
 @dataclass
@@ -115,4 +124,64 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
     )
 
 
+@dataclass(frozen=True)
+class HostFigure:
+    """A number of bytes the machine has, and where it was read (named in error messages)."""
 
+    num_bytes: int
+    source: str  # completes "the machine has N GiB ...": "available (MemAvailable in /proc/meminfo)"
+
+
+def available_ram() -> HostFigure | None:
+    """RAM that can still be allocated without swapping; None where it cannot be read."""
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):  # "MemAvailable:   18235716 kB" (Linux 3.14 and later)
+                return HostFigure(int(line.split()[1]) * 1024, f"available (MemAvailable in {MEMINFO})")
+    except (OSError, ValueError, IndexError):
+        pass
+    # NOTE: the fallback is the installed RAM, not the free pages (SC_AVPHYS_PAGES): free pages leave out the
+    # page cache the kernel would give back, so comparing with them would refuse settings that work.
+    try:
+        return HostFigure(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "installed (sysconf: no MemAvailable to read)")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def free_disk(folder: str) -> HostFigure | None:
+    """Free bytes on the file system that holds `folder` (or will: its nearest existing parent); None if unknown."""
+    path = Path(folder).expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return HostFigure(shutil.disk_usage(path).free, f"free on the disk of {path}")
+    except OSError:
+        return None
+
+
+def check_host_budget(cfg: EngineConfig) -> None:
+    """Refuse, before any weight is loaded, an L1 host pool larger than the free RAM or an L2 file larger than the
+    free disk of its folder (HostBudgetError names both numbers and the setting); skip what cannot be read."""
+    # NOTE: against MemAvailable, not MemTotal. The host pool is allocated lazily (torch.empty: the kernel commits
+    # its pages as blocks are written; pinned memory on a CUDA host is committed at once), so a pool larger than
+    # the free RAM starts fine and is killed by the OOM killer, or stops with a raw allocator error, once the KV
+    # grows into it. MemTotal would only catch pools that cannot be allocated at all.
+    ram = available_ram()
+    pool_bytes = cfg.cpu_memory_gb * GIB
+    if ram is not None and pool_bytes > ram.num_bytes:
+        raise HostBudgetError(
+            f"cpu_memory_gb={cfg.cpu_memory_gb:g} asks for a {cfg.cpu_memory_gb:g} GiB L1 host pool, but this machine "
+            f"has {ram.num_bytes / GIB:.1f} GiB of RAM {ram.source}; lower cpu_memory_gb below "
+            f"{ram.num_bytes / GIB:.1f} (the weights and activations need RAM too), or free memory")
+    if not cfg.cold_zone_enabled:
+        return
+    folder = cfg.cold_zone_dir or tempfile.gettempdir()  # the disk level's default: a private temporary folder
+    disk = free_disk(folder)
+    # NOTE: the L2 file is sparse, so this is what it may grow to, not what start-up writes.
+    if disk is not None and cfg.cold_zone_gb * GIB > disk.num_bytes:
+        raise HostBudgetError(
+            f"cold_zone_gb={cfg.cold_zone_gb:g} lets the L2 file grow to {cfg.cold_zone_gb:g} GiB, but only "
+            f"{disk.num_bytes / GIB:.1f} GiB are {disk.source}; lower cold_zone_gb to at most "
+            f"{disk.num_bytes / GIB:.1f}, choose another cold_zone_dir, or turn the cold zone off (cold_zone_enabled=False, --no-cold-zone)")
+    logger.debug("host budget: L1 %.1f GiB of %s; L2 %.1f GiB of %s", cfg.cpu_memory_gb,
+                 ram.source if ram else "RAM unknown", cfg.cold_zone_gb, disk.source if disk else "an unknown disk")

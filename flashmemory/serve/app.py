@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flashmemory.errors import FlashMemoryError
 from flashmemory.serve.api_errors import APIError, error_response
+from flashmemory.serve.body import parse_body
 from flashmemory.serve.config import ServerConfig
 from flashmemory.serve.generation import apply_chat_template, create_chat_completion, create_completion
 from flashmemory.serve.metrics import ServerMetrics
@@ -33,7 +34,6 @@ from flashmemory.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     check_prompt_ids,
-    parse_body,
 )
 from flashmemory.serve.state import ServerState
 from flashmemory.serve.worker import EngineWorker

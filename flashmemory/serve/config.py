@@ -35,6 +35,9 @@ class ServerConfig:
     max_num_batched_tokens: int | None = setting(
         None, "tokens in one forward (decodes and prefill chunks together); None = prefill_chunk_tokens",
         unit="tokens", ge=1)
+    shutdown_timeout_s: float = setting(
+        30.0, "after SIGTERM or SIGINT, seconds running requests get to finish (new ones get 503); then the rest "
+        "end with an error (streams: an error chunk and [DONE]) and the server exits", unit="seconds", ge=0)
     stats_log_interval_s: float = setting(10.0, "seconds between stats lines (none while idle); 0 = off",
                                           unit="seconds", ge=0)
     # NOTE: no choices: the flag takes any case ("WARNING"), checked below.

@@ -23,6 +23,7 @@ from flashmemory.serve.protocol import (
 )
 from flashmemory.serve.state import ServerState
 from flashmemory.engine.request import SequenceOutput, SequenceRequest
+from flashmemory.engine.sampling import choice_seed
 
 _POLL_S = 1.0  # how often a waiting request checks that the engine is still alive
 DONE = "data: [DONE]\n\n"
@@ -30,6 +31,13 @@ DONE = "data: [DONE]\n\n"
 
 class ClientGone(Exception):
     """The HTTP client disconnected; its sequences were aborted."""
+
+
+class _Ended:
+    """Queued to a RequestStream that the server ends (at shutdown) before its sequences finish."""
+
+    def __init__(self, error: APIError) -> None:
+        self.error = error
 
 
 class RequestStream:
@@ -42,7 +50,7 @@ class RequestStream:
     def __init__(self, state: ServerState, num_seqs: int) -> None:
         self.state = state
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[SequenceOutput | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[SequenceOutput | _Ended | None] = asyncio.Queue()
         self.num_seqs = num_seqs
         self.seq_ids: list[int] = []
         self.finished: set[int] = set()  # choice indices whose last output was consumed
@@ -66,6 +74,11 @@ class RequestStream:
     def submit(self, requests: list[SequenceRequest]) -> None:
         self.state.reserve(len(requests))
         self.seq_ids = self.state.worker.submit(requests, self.push)
+        self.state.streams.add(self)
+
+    def end(self, error: APIError) -> None:
+        """End the request with `error` (its consumer raises it; closing then aborts what is unfinished)."""
+        self.queue.put_nowait(_Ended(error))
 
     async def outputs(self) -> AsyncIterator[SequenceOutput]:
         while len(self.finished) < self.num_seqs:
@@ -78,6 +91,8 @@ class RequestStream:
                 continue
             if out is None:
                 raise ClientGone()
+            if isinstance(out, _Ended):
+                raise out.error
             if out.error is not None:
                 self.finished.add(out.index)
                 raise APIError(500, out.error, code="generation_failed")
@@ -94,6 +109,7 @@ class RequestStream:
         if self._closed:
             return
         self._closed = True
+        self.state.streams.discard(self)
         unfinished = [sid for i, sid in enumerate(self.seq_ids) if i not in self._done]
         if unfinished:
             self.state.worker.abort(unfinished)
@@ -145,7 +161,7 @@ def _sequence_requests(state: ServerState, req: CompletionRequest | ChatCompleti
         if reason is not None:
             raise APIError(400, reason, param="max_tokens", code="kv_capacity_exceeded")
         for j in range(req.n):
-            seed = None if req.seed is None else req.seed + j  # distinct choices, reproducible as a set
+            seed = None if req.seed is None else choice_seed(req.seed, j)  # distinct choices, reproducible
             out.append(SequenceRequest(p_index * req.n + j, ids, sampling_params(req, max_tokens, seed), arrival_s))
     return out
 

@@ -20,20 +20,24 @@ def run_server(args: argparse.Namespace) -> int:
     """Serve until interrupted; returns the exit status. Bad settings raise FlashMemoryError before binding."""
     import uvicorn
 
+    from flashmemory.engine.sizing import check_host_budget
     from flashmemory.model.loader import resolve_model_path
     from flashmemory.serve.app import create_app
+    from flashmemory.serve.shutdown import FLUSH_TIMEOUT_S, GracefulServer
 
     check_env_errors(args)
     log_level = (args.serve_log_level or "info").lower()
     config = server_config(args, log_level)  # refuses a public host without a key
     kwargs = engine_kwargs(args)
-    EngineConfig.from_kwargs(**kwargs)  # a bad setting fails now, not after the server is up
+    engine_config = EngineConfig.from_kwargs(**kwargs)  # a bad setting fails now, not after the server is up
+    if engine_config.kv_cache == "tiered":
+        check_host_budget(engine_config)  # so does an L1 pool over the free RAM or an L2 file over the free disk
     resolve_model_path(kwargs["model_path"])  # so does a missing model
     logging.getLogger().setLevel(log_level.upper() if log_level != "trace" else "DEBUG")
     logging.getLogger("flashmemory").setLevel(log_level.upper() if log_level != "trace" else "DEBUG")
 
     load_error: list[str] = []
-    server: uvicorn.Server | None = None
+    server: GracefulServer | None = None
 
     def on_load_failure(message: str) -> None:
         load_error.append(message)
@@ -43,8 +47,11 @@ def run_server(args: argparse.Namespace) -> int:
     app = create_app(config, kwargs, on_load_failure=on_load_failure)
     logger.info("serving %s on http://%s:%d (API key: %s, streaming: %s)", app.state.server.model_name, config.host,
                 config.port, "required" if config.api_key else "none", "on" if config.enable_streaming else "off")
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
+    # NOTE: the drain (serve/shutdown.py) ends every request before uvicorn's own shutdown begins; uvicorn's
+    # timeout only bounds what is left after it (a response whose client stopped reading).
+    uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                    timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
+    server = GracefulServer(uvicorn_config, app.state.server)
     server.run()
     if load_error:
         raise FlashMemoryError(f"the model could not be loaded: {load_error[0]}")

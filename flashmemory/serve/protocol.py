@@ -1,13 +1,16 @@
-"""OpenAI request bodies (pydantic) and their validation into token ids and sampling parameters."""
+"""OpenAI request bodies (pydantic, strict JSON types) and their validation into token ids and sampling parameters.
+
+Strict: an integer field takes only a JSON integer (not true, not 3.0, not "3"), a boolean only true or false, a
+string only a string; a number field takes integers and decimals. The raw body is checked first (serve/body.py).
+"""
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from flashmemory.engine.sampling import SamplingParams
+from flashmemory.engine.sampling import FLOAT32_MAX, FLOAT32_TINY, SEED_MODULUS, SamplingParams
 from flashmemory.errors import PromptTooLongError
 from flashmemory.serve.api_errors import APIError
 
@@ -16,7 +19,7 @@ MAX_STOP_STRINGS = 16
 
 class _Request(BaseModel):
     # Unknown fields are ignored, as the OpenAI API and vLLM do; known but unsupported ones are rejected below.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -34,11 +37,12 @@ class _GenerationRequest(_Request):
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0  # OpenAI's default
-    top_p: float = 1.0
-    top_k: int = 0  # extension (as in vLLM): 0 or -1 = no limit
+    # The sampling bounds are SamplingParams' (engine/sampling.py says why): float32's range, 64-bit seeds.
+    temperature: float = Field(1.0, ge=0, le=FLOAT32_MAX)  # OpenAI's default; below 1e-5 = greedy
+    top_p: float = Field(1.0, ge=FLOAT32_TINY, le=1)
+    top_k: int = Field(0, ge=-1)  # extension (as in vLLM): 0 or -1 = no limit
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=SEED_MODULUS)  # choice i of n uses (seed + i) mod 2**64
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -168,23 +172,6 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int] = Field(default_factory=list)
-
-
-def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
-    """JSON body -> request model; any problem is a 400 naming the offending field."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = str(err["loc"][0]) if err["loc"] else None
-        loc = ".".join(str(x) for x in err["loc"])
-        raise APIError(400, f"{loc or 'body'}: {err['msg']}", param=param, code="invalid_value") from None
 
 
 def check_prompt_ids(prompt_ids: list[int], vocab_size: int, param: str) -> None:

@@ -1,9 +1,12 @@
-"""ServerState: what the routes share — settings, the engine worker, metrics, and the count of pending sequences."""
+"""ServerState: what the routes share — settings, the engine worker, metrics, the count of pending sequences and the
+requests in flight (for the drain at shutdown)."""
 
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 from flashmemory.serve.api_errors import APIError
 from flashmemory.serve.config import ServerConfig
@@ -21,9 +24,15 @@ class ServerState:
     model_name: str
     num_pending: int = 0  # sequences accepted and not yet finished or aborted
     created: int = field(default_factory=lambda: int(time.time()))  # unix time the server started
+    shutting_down: bool = False  # set by the drain (serve/shutdown.py): nothing new is admitted
+    # RequestStreams with sequences submitted (generation.py); weak, since a response that never started leaves
+    # nothing to end and must not be kept alive by this set.
+    streams: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
 
     def require_ready(self) -> None:
-        """503 unless the engine is up."""
+        """503 unless the engine is up and the server is not shutting down."""
+        if self.shutting_down:
+            raise self.shutting_down_error()
         state = self.worker.state
         if state == "loading":
             raise APIError(503, "the model is still loading; retry when GET /health returns 200",
@@ -37,8 +46,14 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
+    def shutting_down_error(self, message: str = "the server is shutting down and takes no new requests") -> APIError:
+        return APIError(503, f"{message}; retry against another replica or once it is back", code="shutting_down",
+                        headers={"Retry-After": "5"})
+
     def reserve(self, num_seqs: int) -> None:
-        """Count new sequences as pending, or 503 when the queue is full."""
+        """Count new sequences as pending, or 503 when the queue is full or the server is shutting down."""
+        if self.shutting_down:  # it began while this request was being tokenized
+            raise self.shutting_down_error()
         limit = self.config.max_pending_requests
         if num_seqs > limit:  # could never be served: not a reason to retry
             raise APIError(400, f"this request asks for {num_seqs} sequences (prompts x n); the server takes at most "

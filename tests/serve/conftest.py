@@ -15,6 +15,7 @@ import uvicorn
 
 from flashmemory.serve.app import create_app
 from flashmemory.serve.config import ServerConfig
+from flashmemory.serve.shutdown import GracefulServer
 
 LOAD_TIMEOUT_S = 120.0
 
@@ -34,8 +35,8 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{self.port}"
         # A generous keep-alive: a client reusing a connection just as the server drops it idle is a race of
         # HTTP itself, not of the server under test.
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_keep_alive=60))
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_keep_alive=60)
+        self.server = GracefulServer(config, app.state.server)  # begin_shutdown() does what SIGTERM does
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

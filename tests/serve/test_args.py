@@ -102,6 +102,16 @@ def test_a_missing_model_fails_before_the_server_binds(capsys):
     assert rc == 1 and "does not exist" in capsys.readouterr().err
 
 
+def test_a_cold_zone_over_the_free_disk_fails_before_the_server_binds(monkeypatch, capsys, tiny_llama):
+    from flashmemory.engine import sizing
+
+    monkeypatch.setattr(sizing, "free_disk", lambda folder: sizing.HostFigure(20 * sizing.GIB, "free on the disk"))
+    rc = cli_main(["serve", str(tiny_llama), "--cold-zone-gb", "64", "--cpu-memory-gb", "0.01",
+                   "--port", str(free_port())])
+    err = capsys.readouterr().err
+    assert rc == 1 and "cold_zone_gb=64" in err and "20.0 GiB" in err and "Traceback" not in err
+
+
 def test_python_m_flashmemory_serve_runs_and_stops_cleanly(tiny_llama):
     port = free_port()
     env = {**os.environ, "FLASHMEMORY_SERVED_MODEL_NAME": "from-env", "FLASHMEMORY_PORT": str(port),
