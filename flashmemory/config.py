@@ -46,13 +46,17 @@ class EngineConfig:
         0.15, "fraction of L2 blocks a decode step attends (query-aware)", unit="fraction", gt=0, le=1)
     warm_budget_tokens: int = setting(2048, "tokens of L1 blocks a decode step attends (query-aware)",
                                       unit="tokens", ge=1)
-    cpu_memory_gb: float = setting(4.0, "L1 host pool capacity", unit="GiB", gt=0)
+    cpu_memory_gb: float | None = setting(
+        None, "L1 host pool capacity; None = 4 GiB, or half the available RAM when that is less (a value you set "
+        "above the available RAM is refused at start-up)", unit="GiB", gt=0)
     cold_zone_enabled: bool = setting(
         True, "an L2 level on disk for KV older than the warm tokens; off (--no-cold-zone) keeps all older KV in L1 "
         "(and says so when L1 is full)", flags=("--no-cold-zone",))
     cold_zone_dir: str | None = setting(None, "folder of the L2 file; None = a private temporary folder")
-    cold_zone_gb: float = setting(16.0, "L2 file capacity (sparse: disk is used only as blocks are written)",
-                                  unit="GiB", gt=0)
+    cold_zone_gb: float | None = setting(
+        None, "L2 file capacity (sparse: disk is used only as blocks are written); None = 16 GiB, or half the free "
+        "disk of cold_zone_dir when that is less (a value you set above the free disk is refused at start-up)",
+        unit="GiB", gt=0)
     block_size: int | str = setting(16, "tokens per KV block; auto grows with max_seq_len (16 up to 8K, 32 up to "
                                     "32K, else 64)", unit="tokens", choices=("auto", 8, 16, 32, 64, 128))
     prefill_chunk_tokens: int = setting(512, "prompt tokens per forward during prefill (bounds activation memory)",

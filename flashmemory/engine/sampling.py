@@ -99,11 +99,14 @@ class Sampler:
             # Before the temperature: a huge temperature would turn distinct logits into ties.
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
+        # Rank by the logits before the temperature: a huge temperature turns distinct logits into ties, and the
+        # nucleus must still start from the most likely token.
+        order = torch.argsort(logits, descending=True, stable=True) if p.top_p < 1.0 else None
         # NOTE: shifting by the max first makes every scaled logit <= 0 with the best one exactly 0, so a small
         # temperature can overflow only to -inf (probability 0), never to +inf (inf - inf = NaN in the softmax).
         logits = (logits - logits.max()) / p.temperature
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
+        if order is not None:
+            sorted_logits = logits[order]
             probs = torch.softmax(sorted_logits, dim=-1)
             # Drop a token when the tokens before it already reach top_p.
             drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p

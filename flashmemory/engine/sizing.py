@@ -99,8 +99,8 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
         num_kv_heads=model_cfg.num_kv_heads,
         head_dim=model_cfg.head_dim,
         device_slots=plan.device_slots,
-        host_slots=max(1, int(engine_cfg.cpu_memory_gb * GIB) // host_slot),
-        disk_slots=max(1, int(engine_cfg.cold_zone_gb * GIB) // disk_slot),
+        host_slots=max(1, int(host_budget_gb(engine_cfg).cpu_memory_gb * GIB) // host_slot),
+        disk_slots=max(1, int(host_budget_gb(engine_cfg).cold_zone_gb * GIB) // disk_slot),
         block_size=block_size,
         active_window=engine_cfg.active_window,
         warm_tokens=engine_cfg.warm_tokens,
@@ -159,29 +159,60 @@ def free_disk(folder: str) -> HostFigure | None:
         return None
 
 
+DEFAULT_CPU_MEMORY_GB = 4.0  # the L1 host pool when cpu_memory_gb is not set (capped at half the available RAM)
+DEFAULT_COLD_ZONE_GB = 16.0  # the L2 file's limit when cold_zone_gb is not set (capped at half the free disk)
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    """The L1 and L2 capacities in effect (GiB): the settings, or their defaults fitted to the machine."""
+
+    cpu_memory_gb: float
+    cold_zone_gb: float
+
+
+def host_budget_gb(cfg: EngineConfig) -> HostBudget:
+    """cpu_memory_gb and cold_zone_gb as set; where unset, the defaults capped at half of what the machine has
+    free, so a default run fits a small machine (explicit values are checked by check_host_budget instead)."""
+    cpu = cfg.cpu_memory_gb
+    if cpu is None:
+        ram = available_ram()
+        cpu = DEFAULT_CPU_MEMORY_GB if ram is None else max(min(DEFAULT_CPU_MEMORY_GB, ram.num_bytes / GIB / 2), 0.01)
+    cold = cfg.cold_zone_gb
+    if cold is None:
+        disk = free_disk(cold_zone_folder(cfg)) if cfg.cold_zone_enabled else None
+        cold = DEFAULT_COLD_ZONE_GB if disk is None else max(min(DEFAULT_COLD_ZONE_GB, disk.num_bytes / GIB / 2), 0.01)
+    return HostBudget(cpu, cold)
+
+
+def cold_zone_folder(cfg: EngineConfig) -> str:
+    """Where the L2 file goes: cold_zone_dir, or by default a private folder under the system's temporary one."""
+    return cfg.cold_zone_dir or tempfile.gettempdir()
+
+
 def check_host_budget(cfg: EngineConfig) -> None:
     """Refuse, before any weight is loaded, an L1 host pool larger than the free RAM or an L2 file larger than the
-    free disk of its folder (HostBudgetError names both numbers and the setting); skip what cannot be read."""
+    free disk of its folder (HostBudgetError names both numbers and the setting); skip what cannot be read and
+    what was not set (the defaults fit themselves to the machine: host_budget_gb)."""
     # NOTE: against MemAvailable, not MemTotal. The host pool is allocated lazily (torch.empty: the kernel commits
     # its pages as blocks are written; pinned memory on a CUDA host is committed at once), so a pool larger than
     # the free RAM starts fine and is killed by the OOM killer, or stops with a raw allocator error, once the KV
     # grows into it. MemTotal would only catch pools that cannot be allocated at all.
     ram = available_ram()
-    pool_bytes = cfg.cpu_memory_gb * GIB
-    if ram is not None and pool_bytes > ram.num_bytes:
+    if cfg.cpu_memory_gb is not None and ram is not None and cfg.cpu_memory_gb * GIB > ram.num_bytes:
         raise HostBudgetError(
             f"cpu_memory_gb={cfg.cpu_memory_gb:g} asks for a {cfg.cpu_memory_gb:g} GiB L1 host pool, but this machine "
             f"has {ram.num_bytes / GIB:.1f} GiB of RAM {ram.source}; lower cpu_memory_gb below "
             f"{ram.num_bytes / GIB:.1f} (the weights and activations need RAM too), or free memory")
     if not cfg.cold_zone_enabled:
         return
-    folder = cfg.cold_zone_dir or tempfile.gettempdir()  # the disk level's default: a private temporary folder
-    disk = free_disk(folder)
+    disk = free_disk(cold_zone_folder(cfg))
     # NOTE: the L2 file is sparse, so this is what it may grow to, not what start-up writes.
-    if disk is not None and cfg.cold_zone_gb * GIB > disk.num_bytes:
+    if cfg.cold_zone_gb is not None and disk is not None and cfg.cold_zone_gb * GIB > disk.num_bytes:
         raise HostBudgetError(
             f"cold_zone_gb={cfg.cold_zone_gb:g} lets the L2 file grow to {cfg.cold_zone_gb:g} GiB, but only "
             f"{disk.num_bytes / GIB:.1f} GiB are {disk.source}; lower cold_zone_gb to at most "
             f"{disk.num_bytes / GIB:.1f}, choose another cold_zone_dir, or turn the cold zone off (cold_zone_enabled=False, --no-cold-zone)")
-    logger.debug("host budget: L1 %.1f GiB of %s; L2 %.1f GiB of %s", cfg.cpu_memory_gb,
-                 ram.source if ram else "RAM unknown", cfg.cold_zone_gb, disk.source if disk else "an unknown disk")
+    budget = host_budget_gb(cfg)
+    logger.debug("host budget: L1 %.1f GiB of %s; L2 %.1f GiB of %s", budget.cpu_memory_gb,
+                 ram.source if ram else "RAM unknown", budget.cold_zone_gb, disk.source if disk else "an unknown disk")

@@ -109,7 +109,8 @@ def served_model_name(config: ServerConfig, model_path: str | None) -> str:
 
 def create_app(config: ServerConfig, engine_kwargs: dict[str, Any],
                engine_factory: Callable[[], Any] | None = None,
-               on_load_failure: Callable[[str], None] | None = None) -> FastAPI:
+               on_load_failure: Callable[[str], None] | None = None,
+               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
     """The server for one engine; the engine loads in its own thread when the app starts (GET /health: 503 until
     it is ready)."""
     model_name = served_model_name(config, engine_kwargs.get("model_path"))
@@ -120,7 +121,7 @@ def create_app(config: ServerConfig, engine_kwargs: dict[str, Any],
 
             return FlashMemoryEngine(**engine_kwargs)
     worker = EngineWorker(engine_factory, metrics, config.max_num_batched_tokens, config.stats_log_interval_s,
-                          on_load_failure)
+                          on_load_failure, on_fatal)
     state = ServerState(config, worker, metrics, model_name)
 
     @asynccontextmanager

@@ -44,7 +44,14 @@ def run_server(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True  # a server whose model cannot load is of no use: stop with the reason
 
-    app = create_app(config, kwargs, on_load_failure=on_load_failure)
+    fatal_error: list[str] = []
+
+    def on_fatal(message: str) -> None:
+        fatal_error.append(message)
+        if server is not None:
+            server.should_exit = True  # the device is lost: exit non-zero so a supervisor restarts the server
+
+    app = create_app(config, kwargs, on_load_failure=on_load_failure, on_fatal=on_fatal)
     logger.info("serving %s on http://%s:%d (API key: %s, streaming: %s)", app.state.server.model_name, config.host,
                 config.port, "required" if config.api_key else "none", "on" if config.enable_streaming else "off")
     # NOTE: the drain (serve/shutdown.py) ends every request before uvicorn's own shutdown begins; uvicorn's
@@ -55,6 +62,8 @@ def run_server(args: argparse.Namespace) -> int:
     server.run()
     if load_error:
         raise FlashMemoryError(f"the model could not be loaded: {load_error[0]}")
+    if fatal_error:
+        raise FlashMemoryError(f"{fatal_error[0]}; the server stopped so that it can be restarted")
     return 0
 
 

@@ -61,13 +61,15 @@ class EngineWorker:
     """Owns the engine thread, the engine and its core; the inbox and the outputs waiting to be sent."""
 
     def __init__(self, engine_factory: Callable[[], Any], metrics: ServerMetrics, max_num_batched_tokens: int | None,
-                 stats_log_interval_s: float, on_load_failure: Callable[[str], None] | None = None) -> None:
+                 stats_log_interval_s: float, on_load_failure: Callable[[str], None] | None = None,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
         self._engine_factory = engine_factory
         self.metrics = metrics
         self._max_num_batched_tokens = max_num_batched_tokens  # None = the engine's prefill_chunk_tokens
         self._stats = StatsLogger(stats_log_interval_s)
         self._idle_wakeup_s = min(_IDLE_WAKEUP_S, stats_log_interval_s) if stats_log_interval_s > 0 else _IDLE_WAKEUP_S
         self._on_load_failure = on_load_failure
+        self._on_fatal = on_fatal  # the engine died at run time (the device is lost): the server should exit
         self._inbox: queue.Queue[tuple] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="flashmemory-engine", daemon=True)
         self._seq_ids = itertools.count()
@@ -137,6 +139,8 @@ class EngineWorker:
             self.state = "dead"
             self._outbox.extend(self.core.fail_all("the engine stopped unexpectedly; the server log has the details"))
             self._send_outputs()
+            if self._on_fatal is not None:
+                self._on_fatal(self.error)
         finally:
             self.engine.close()
 

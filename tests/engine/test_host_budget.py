@@ -43,6 +43,18 @@ def test_budgets_within_the_machine_pass_and_a_disabled_cold_zone_is_not_checked
     check_host_budget(EngineConfig(cpu_memory_gb=4, cold_zone_enabled=False, cold_zone_gb=1000))
 
 
+def test_unset_budgets_fit_themselves_to_a_small_machine(monkeypatch):
+    monkeypatch.setattr(sizing, "available_ram", lambda: HostFigure(3 * GIB, "available"))
+    monkeypatch.setattr(sizing, "free_disk", lambda folder: HostFigure(10 * GIB, "free"))
+    check_host_budget(EngineConfig())  # the defaults never refuse to start
+    assert sizing.host_budget_gb(EngineConfig()) == sizing.HostBudget(1.5, 5.0)  # half of what is free
+    assert sizing.host_budget_gb(EngineConfig(cpu_memory_gb=2, cold_zone_gb=7)) == sizing.HostBudget(2, 7)
+
+
+def test_unset_budgets_on_a_large_machine_are_the_documented_defaults(machine):
+    assert sizing.host_budget_gb(EngineConfig()) == sizing.HostBudget(4.0, 10.0)  # 16 GiB capped at half of 20
+
+
 def test_nothing_is_refused_where_ram_and_disk_cannot_be_read(monkeypatch):
     monkeypatch.setattr(sizing, "available_ram", lambda: None)
     monkeypatch.setattr(sizing, "free_disk", lambda folder: None)

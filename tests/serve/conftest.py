@@ -80,7 +80,10 @@ class LiveServer:
 def live_server(engine_kwargs: dict[str, Any], engine_factory=None, wait_ready: bool = True,
                 **server_settings: Any) -> Iterator[LiveServer]:
     config = ServerConfig(**{"stats_log_interval_s": 0, **server_settings})
-    server = LiveServer(create_app(config, engine_kwargs, engine_factory=engine_factory)).start(wait_ready)
+    fatal: list[str] = []
+    server = LiveServer(create_app(config, engine_kwargs, engine_factory=engine_factory, on_fatal=fatal.append))
+    server.fatal = fatal  # what the engine reported when it died at run time (the launcher then exits 1)
+    server.start(wait_ready)
     try:
         yield server
     finally:

@@ -123,6 +123,7 @@ def test_a_dead_engine_ends_streams_with_an_error_and_health_turns_503(kwargs):
         r = http.get("/health")
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
         assert http.post("/v1/completions", json={"prompt": "hi"}).status_code == 503
+        assert server.fatal == ["the engine stopped: DeviceLostError"]  # the launcher exits non-zero on this
 
 
 def test_streaming_disabled_makes_stream_true_a_400(kwargs):
