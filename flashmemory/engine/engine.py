@@ -163,14 +163,19 @@ class FlashMemoryEngine:
             pinned.append((0, len(system_ids)))
         return self._stream_ids(prompt_ids, params, pinned, started)
 
-    def generate_token_ids(self, prompt: str | list[int], **options: Any) -> list[int]:
-        """Complete `prompt`; returns the generated token ids (end-of-sequence token excluded)."""
+    def generate_token_ids(self, prompt: Prompt | list[Prompt], **options: Any) -> list[int] | list[list[int]]:
+        """Complete `prompt`; returns the generated token ids (end-of-sequence token excluded). A list of prompts
+        runs as one batch and returns one list of ids per prompt."""
         started = time.perf_counter()
         params, pinned = request_options(options)
-        prompt_ids = self._prompt_ids(prompt)
-        self._check_prompt(prompt_ids, params.max_new_tokens)
-        request = SequenceRequest(0, prompt_ids, params, started, tuple(pinned))
-        return [out.token_id for out in self._outputs(request) if out.token_id is not None]
+        batch = is_batch(prompt)
+        prompts = [self._prompt_ids(p) for p in prompt] if batch else [self._prompt_ids(prompt)]
+        for ids in prompts:
+            self._check_prompt(ids, params.max_new_tokens)
+        requests = [SequenceRequest(i, ids, params, started, tuple(pinned)) for i, ids in enumerate(prompts)]
+        if not batch:
+            return [out.token_id for out in self._outputs(requests[0]) if out.token_id is not None]
+        return [[out.token_id for out in outs if out.token_id is not None] for outs in self._run_batch(requests)]
 
     def score_tokens(self, token_ids: list[int], num_teacher_forced: int = 0) -> "ScoreResult":
         """Log-probabilities the model gives each next token of `token_ids` (for perplexity and fidelity).

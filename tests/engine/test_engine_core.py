@@ -31,6 +31,11 @@ def test_token_id_prompts_batch_too_and_one_token_list_is_one_prompt(engine):
     assert isinstance(engine.generate(ids[0], max_new_tokens=5), str)
 
 
+def test_token_ids_batch_like_texts(engine):
+    alone = [engine.generate_token_ids(p, max_new_tokens=6, ignore_eos=True) for p in PROMPTS]
+    assert engine.generate_token_ids(PROMPTS, max_new_tokens=6, ignore_eos=True) == alone
+
+
 def test_a_stream_abandoned_early_frees_its_blocks(engine):
     stream = engine.stream(PROMPTS[0] * 5, max_new_tokens=50, ignore_eos=True)
     next(stream)
