@@ -47,6 +47,25 @@ def test_gguf_qwen2_with_qkv_bias_and_tied_embeddings(tmp_path):
     assert (_logits(model, ids) - _hf_logits_with(hf, reference, ids)).abs().max().item() <= 1e-4
 
 
+def test_vocab_size_is_the_token_list_length_when_the_gguf_states_none(tmp_path):
+    hf = write_tiny_model(tmp_path / "hf", "Qwen2ForCausalLM")
+    vocab = hf.config.vocab_size
+    tokens = [f"t{i}" for i in range(vocab)]  # longer than the reader decodes: only its length is read
+    reference = write_tiny_gguf(tmp_path / "q.gguf", hf, "Q8_0", arch="qwen2", state_vocab_size=False,
+                                token_strings=tokens)
+    ckpt = open_checkpoint(tmp_path / "q.gguf")
+    assert ckpt.config.vocab_size == vocab and not ckpt.config.tie_word_embeddings
+    model = build_model(ckpt, torch.device("cpu"), torch.float32)
+    ids = list(range(3, 40))
+    assert (_logits(model, ids) - _hf_logits_with(hf, reference, ids)).abs().max().item() <= 1e-4
+
+
+def test_vocab_size_falls_back_to_the_embedding_rows(tmp_path):
+    hf = write_tiny_model(tmp_path / "hf", "Qwen2ForCausalLM")
+    write_tiny_gguf(tmp_path / "q.gguf", hf, "F32", arch="qwen2", state_vocab_size=False)
+    assert open_checkpoint(tmp_path / "q.gguf").config.vocab_size == hf.config.vocab_size
+
+
 def test_embedded_smollm2_metadata(smollm2_path):
     ckpt = open_checkpoint(smollm2_path)
     cfg = ckpt.config
@@ -95,6 +114,8 @@ def test_lean_reader_keeps_hyper_parameters_and_skips_token_arrays(smollm2_path)
     f = GGUFFile(smollm2_path)
     assert f.metadata["llama.block_count"] == 30 and f.metadata["general.languages"] == ["en"]
     assert "tokenizer.ggml.tokens" not in f.metadata  # 49,152 strings: skipped, not decoded
+    assert f.array_lengths["tokenizer.ggml.tokens"] == 49152  # but their number is kept
+    assert f.array_lengths["general.languages"] == 1
     assert "{% for message in messages %}" in f.metadata["tokenizer.chat_template"]
     assert len(f.tensors) == 272 and f.tensors[0].offset % 32 == 0
 
