@@ -129,6 +129,7 @@ class GGUFFile:
 
     def raw(self, info: GGUFTensorInfo) -> np.ndarray:
         """The tensor's bytes as [rows, bytes per row] uint8 (a view of the map)."""
-        data = self._map[info.offset : info.offset + info.num_bytes]
+        # A plain ndarray view: numpy subclass bookkeeping on memmap slices costs seconds in gguf.quants.
+        data = self._map[info.offset : info.offset + info.num_bytes].view(np.ndarray)
         rows = int(np.prod(info.shape[1:])) if len(info.shape) > 1 else 1
         return data.reshape(rows, -1)

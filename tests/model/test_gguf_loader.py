@@ -130,7 +130,7 @@ def test_gguf_header_cut_short_is_detected(tmp_path, smollm2_path):
         open_checkpoint(cut)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_torch_dequantization_equals_the_gguf_reference(qtype):
     import gguf
     import numpy as np
@@ -140,6 +140,25 @@ def test_torch_dequantization_equals_the_gguf_reference(qtype):
     t = gguf.GGMLQuantizationType[qtype]
     x = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
     raw = gguf.quants.quantize(x, t)
+    reference = torch.from_numpy(np.array(gguf.quants.dequantize(raw, t), dtype=np.float32))
+    assert torch.equal(dequantize_torch(raw, qtype), reference)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_torch_dequantization_of_every_bit_pattern_equals_the_gguf_reference(qtype):
+    """Random bytes reach codes a quantizer never writes (e.g. every high-bit pattern of Q5); fp16 scales
+    are set to finite values so the comparison is exact."""
+    import gguf
+    import numpy as np
+
+    from flashmemory.model.gguf_dequant import BLOCK_BYTES, dequantize_torch
+
+    t = gguf.GGMLQuantizationType[qtype]
+    raw = np.random.default_rng(1).integers(0, 256, size=(16, 8 * BLOCK_BYTES[qtype]), dtype=np.uint8)
+    blocks = raw.reshape(16, 8, BLOCK_BYTES[qtype])
+    num_scales = 2 if qtype in ("Q4_1", "Q5_1") else 1
+    scales = np.random.default_rng(2).uniform(-0.1, 0.1, size=(16, 8, num_scales)).astype(np.float16)
+    blocks[..., : 2 * num_scales] = scales.view(np.uint8)
     reference = torch.from_numpy(np.array(gguf.quants.dequantize(raw, t), dtype=np.float32))
     assert torch.equal(dequantize_torch(raw, qtype), reference)
 
