@@ -75,21 +75,23 @@ def _run_generate(args: argparse.Namespace) -> int:
     )
     SamplingParams(**params)
     engine = FlashMemoryEngine(**engine_kwargs(args))
-    if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
-        messages.append({"role": "user", "content": prompt})
-        pieces = engine.stream_chat(messages, **params)
-    else:
-        pieces = engine.stream(prompt, **params)
-    for piece in pieces:
-        sys.stdout.write(piece)
+    try:
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+            messages.append({"role": "user", "content": prompt})
+            pieces = engine.stream_chat(messages, **params)
+        else:
+            pieces = engine.stream(prompt, **params)
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
         sys.stdout.flush()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    print(engine.last_stats.summary(), file=sys.stderr)
-    if args.stats:
-        print(format_kv_stats(engine.last_kv_stats), file=sys.stderr)
-    engine.close()
+        print(engine.last_stats.summary(), file=sys.stderr)
+        if args.stats:
+            print(format_kv_stats(engine.last_kv_stats), file=sys.stderr)
+    finally:
+        engine.close()  # the cold-zone file goes now, also on Ctrl-C or an error mid-generation
     return 0
 
 

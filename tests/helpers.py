@@ -86,11 +86,14 @@ def _llama_cpp_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def write_tiny_gguf(
-    path: Path, hf_model, qtype_name: str = "F32", arch: str = "llama", raw_tensors: dict | None = None
+    path: Path, hf_model, qtype_name: str = "F32", arch: str = "llama", raw_tensors: dict | None = None,
+    state_vocab_size: bool = True, token_strings: list[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write `hf_model` as a GGUF the way llama.cpp's converter lays it out; 2-D weights in `qtype_name`.
 
     `raw_tensors` maps GGUF tensor names to (already encoded uint8 array, GGMLQuantizationType) written instead.
+    `state_vocab_size=False` leaves out `<arch>.vocab_size` (as Qwen2.5's GGUFs do); `token_strings` is
+    written as tokenizer.ggml.tokens.
 
     Returns the HF-named float32 tensors as they read back after quantization (the reference weights).
     """
@@ -108,7 +111,10 @@ def write_tiny_gguf(
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
+    if state_vocab_size:
+        writer.add_vocab_size(cfg.vocab_size)
+    if token_strings is not None:
+        writer.add_token_list(token_strings)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     reference: dict[str, torch.Tensor] = {}

@@ -82,3 +82,17 @@ def test_generate_stats_show_levels_and_prefetch(tiny_llama, tmp_path, capsys):
     err = capsys.readouterr().err
     for line in ("L0 device", "L1 host", "L2 disk", "selected", "prefetch   L2 hit rate", "per decode step"):
         assert line in err
+
+
+def test_ctrl_c_during_prefill_exits_130_and_leaves_no_cold_zone_file(tiny_llama, tmp_path, capsys, monkeypatch):
+    from flashmemory.model.llama import LlamaModel
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # what Ctrl-C raises between two torch ops of a long prefill
+
+    cold = tmp_path / "cold"
+    monkeypatch.setattr(LlamaModel, "forward", interrupted)
+    rc = main(["generate", "--model", str(tiny_llama), "--prompt", "Alice was", "--cold-zone-dir", str(cold)])
+    assert rc == 130
+    assert capsys.readouterr().err.strip().endswith("interrupted")
+    assert cold.is_dir() and not list(cold.iterdir())

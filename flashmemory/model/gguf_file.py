@@ -62,19 +62,23 @@ class _Cursor:
         if type_id == _STRING:
             return self.string()
         if type_id == _ARRAY:
-            item_type, count = self.take("<I"), self.take("<Q")
-            if count <= _KEEP_ARRAYS_UP_TO:
-                return [self.value(item_type) for _ in range(count)]
-            if item_type in _SCALARS:
-                self.pos += count * struct.calcsize(_SCALARS[item_type])
-            elif item_type == _STRING:
-                for _ in range(count):
-                    self.skip_string()
-            else:
-                for _ in range(count):
-                    self.value(item_type)
-            return None  # skipped: too long to matter for the model's hyper-parameters
+            return self.array()[1]
         raise GGUFFormatError(f"unknown GGUF value type {type_id}")
+
+    def array(self) -> tuple[int, list[Any] | None]:
+        """(element count, elements); elements are None when the array is too long to decode."""
+        item_type, count = self.take("<I"), self.take("<Q")
+        if count <= _KEEP_ARRAYS_UP_TO:
+            return count, [self.value(item_type) for _ in range(count)]
+        if item_type in _SCALARS:
+            self.pos += count * struct.calcsize(_SCALARS[item_type])
+        elif item_type == _STRING:
+            for _ in range(count):
+                self.skip_string()
+        else:
+            for _ in range(count):
+                self.value(item_type)
+        return count, None  # skipped: too long to matter for the model's hyper-parameters
 
 
 class GGUFFile:
@@ -94,9 +98,16 @@ class GGUFFile:
             raise GGUFFormatError(f"GGUF version {version} is not supported (2 or 3)")
         num_tensors, num_kv = cur.take("<Q"), cur.take("<Q")
         self.metadata: dict[str, Any] = {}
+        # NOTE: the header states an array's length even where we skip its contents; llama.cpp takes the
+        # vocabulary size from the length of tokenizer.ggml.tokens, so every array's length is kept.
+        self.array_lengths: dict[str, int] = {}
         for _ in range(num_kv):
             key = cur.string()
-            value = cur.value(cur.take("<I"))
+            type_id = cur.take("<I")
+            if type_id == _ARRAY:
+                self.array_lengths[key], value = cur.array()
+            else:
+                value = cur.value(type_id)
             if value is not None:
                 self.metadata[key] = value
         infos = []
@@ -118,6 +129,7 @@ class GGUFFile:
 
     def raw(self, info: GGUFTensorInfo) -> np.ndarray:
         """The tensor's bytes as [rows, bytes per row] uint8 (a view of the map)."""
-        data = self._map[info.offset : info.offset + info.num_bytes]
+        # A plain ndarray view: numpy subclass bookkeeping on memmap slices costs seconds in gguf.quants.
+        data = self._map[info.offset : info.offset + info.num_bytes].view(np.ndarray)
         rows = int(np.prod(info.shape[1:])) if len(info.shape) > 1 else 1
         return data.reshape(rows, -1)

@@ -93,10 +93,13 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
                 )
             self._by_hf_name[name] = t
             self._types[name] = qtype
+        embedding = self._by_hf_name.get("model.embed_tokens.weight")
         self.config = ModelConfig.from_gguf_metadata(
             self.metadata,
             has_output_weight="lm_head.weight" in self._by_hf_name,
             has_qkv_bias="model.layers.0.self_attn.q_proj.bias" in self._by_hf_name,
+            num_token_strings=self._file.array_lengths.get("tokenizer.ggml.tokens"),
+            embedding_rows=int(embedding.shape[-1]) if embedding is not None and len(embedding.shape) == 2 else None,
         )
         self._permuted = self.metadata.get("general.architecture") == "llama"
 

@@ -123,7 +123,17 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any], *, has_output_weight: bool, has_qkv_bias: bool) -> "ModelConfig":
+    def from_gguf_metadata(
+        cls,
+        meta: dict[str, Any],
+        *,
+        has_output_weight: bool,
+        has_qkv_bias: bool,
+        num_token_strings: int | None = None,
+        embedding_rows: int | None = None,
+    ) -> "ModelConfig":
+        """Config from GGUF metadata; `num_token_strings` is the length of tokenizer.ggml.tokens (the reader
+        skips its contents) and `embedding_rows` the embedding tensor's row count."""
         gguf_arch = meta.get("general.architecture")
         if gguf_arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(
@@ -141,7 +151,7 @@ class ModelConfig:
         eos = meta.get("tokenizer.ggml.eos_token_id")
         return cls(
             architecture=GGUF_ARCHITECTURES[gguf_arch],
-            vocab_size=int(meta.get(p + "vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))),
+            vocab_size=_gguf_vocab_size(meta, p, num_token_strings, embedding_rows),
             hidden_size=hidden,
             intermediate_size=int(meta[p + "feed_forward_length"]),
             num_layers=int(meta[p + "block_count"]),
@@ -159,6 +169,19 @@ class ModelConfig:
             eos_token_ids=[int(eos)] if eos is not None else [],
             name=str(meta.get("general.name", "")),
         )
+
+
+def _gguf_vocab_size(
+    meta: dict[str, Any], prefix: str, num_token_strings: int | None, embedding_rows: int | None
+) -> int:
+    """As llama.cpp: the stated vocab_size, else the token list's length; else the embedding's rows."""
+    size = meta.get(prefix + "vocab_size") or num_token_strings or embedding_rows
+    if not size:
+        raise UnsupportedModelError(
+            f"the GGUF states no {prefix}vocab_size, has no tokenizer.ggml.tokens and no token_embd tensor; "
+            "the file is incomplete: convert the model again with llama.cpp's convert_hf_to_gguf.py"
+        )
+    return int(size)
 
 
 def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

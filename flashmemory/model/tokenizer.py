@@ -15,6 +15,12 @@ from flashmemory.errors import ConfigError, ModelNotFoundError
 logger = logging.getLogger(__name__)
 
 _FINGERPRINT_BYTES = 16 * 1024 * 1024  # GGUF metadata (the whole tokenizer) lives at the start of the file
+# Special tokens that end generation whatever the GGUF names as EOS: llama.cpp's list (llama-vocab.cpp,
+# special_eog_ids). Qwen2.5's GGUF states only <|im_end|>, yet a plain completion ends with <|endoftext|>.
+END_OF_GENERATION_TOKENS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+    "<|end_of_text|>",
+)
 
 
 def cache_root() -> Path:
@@ -63,6 +69,12 @@ def _load_gguf_tokenizer(gguf_path: Path):
     return tok
 
 
+def end_of_generation_ids(hf_tokenizer: Any) -> list[int]:
+    """Ids of the special (added) tokens in END_OF_GENERATION_TOKENS that this vocabulary has."""
+    added = hf_tokenizer.get_added_vocab()  # {text: id}; ordinary BPE pieces never match
+    return [added[text] for text in END_OF_GENERATION_TOKENS if text in added]
+
+
 class Tokenizer:
     """Owns a transformers tokenizer: encode, decode, chat template, end-of-sequence ids."""
 
@@ -78,7 +90,8 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         if path.is_file():
-            return cls(_load_gguf_tokenizer(path), eos_token_ids)
+            hf = _load_gguf_tokenizer(path)
+            return cls(hf, [*eos_token_ids, *end_of_generation_ids(hf)])
         try:
             return cls(AutoTokenizer.from_pretrained(str(path)), eos_token_ids)
         except (OSError, ValueError) as e:

@@ -47,6 +47,25 @@ def test_gguf_qwen2_with_qkv_bias_and_tied_embeddings(tmp_path):
     assert (_logits(model, ids) - _hf_logits_with(hf, reference, ids)).abs().max().item() <= 1e-4
 
 
+def test_vocab_size_is_the_token_list_length_when_the_gguf_states_none(tmp_path):
+    hf = write_tiny_model(tmp_path / "hf", "Qwen2ForCausalLM")
+    vocab = hf.config.vocab_size
+    tokens = [f"t{i}" for i in range(vocab)]  # longer than the reader decodes: only its length is read
+    reference = write_tiny_gguf(tmp_path / "q.gguf", hf, "Q8_0", arch="qwen2", state_vocab_size=False,
+                                token_strings=tokens)
+    ckpt = open_checkpoint(tmp_path / "q.gguf")
+    assert ckpt.config.vocab_size == vocab and not ckpt.config.tie_word_embeddings
+    model = build_model(ckpt, torch.device("cpu"), torch.float32)
+    ids = list(range(3, 40))
+    assert (_logits(model, ids) - _hf_logits_with(hf, reference, ids)).abs().max().item() <= 1e-4
+
+
+def test_vocab_size_falls_back_to_the_embedding_rows(tmp_path):
+    hf = write_tiny_model(tmp_path / "hf", "Qwen2ForCausalLM")
+    write_tiny_gguf(tmp_path / "q.gguf", hf, "F32", arch="qwen2", state_vocab_size=False)
+    assert open_checkpoint(tmp_path / "q.gguf").config.vocab_size == hf.config.vocab_size
+
+
 def test_embedded_smollm2_metadata(smollm2_path):
     ckpt = open_checkpoint(smollm2_path)
     cfg = ckpt.config
@@ -95,6 +114,8 @@ def test_lean_reader_keeps_hyper_parameters_and_skips_token_arrays(smollm2_path)
     f = GGUFFile(smollm2_path)
     assert f.metadata["llama.block_count"] == 30 and f.metadata["general.languages"] == ["en"]
     assert "tokenizer.ggml.tokens" not in f.metadata  # 49,152 strings: skipped, not decoded
+    assert f.array_lengths["tokenizer.ggml.tokens"] == 49152  # but their number is kept
+    assert f.array_lengths["general.languages"] == 1
     assert "{% for message in messages %}" in f.metadata["tokenizer.chat_template"]
     assert len(f.tensors) == 272 and f.tensors[0].offset % 32 == 0
 
@@ -109,7 +130,7 @@ def test_gguf_header_cut_short_is_detected(tmp_path, smollm2_path):
         open_checkpoint(cut)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_torch_dequantization_equals_the_gguf_reference(qtype):
     import gguf
     import numpy as np
@@ -119,6 +140,25 @@ def test_torch_dequantization_equals_the_gguf_reference(qtype):
     t = gguf.GGMLQuantizationType[qtype]
     x = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
     raw = gguf.quants.quantize(x, t)
+    reference = torch.from_numpy(np.array(gguf.quants.dequantize(raw, t), dtype=np.float32))
+    assert torch.equal(dequantize_torch(raw, qtype), reference)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_torch_dequantization_of_every_bit_pattern_equals_the_gguf_reference(qtype):
+    """Random bytes reach codes a quantizer never writes (e.g. every high-bit pattern of Q5); fp16 scales
+    are set to finite values so the comparison is exact."""
+    import gguf
+    import numpy as np
+
+    from flashmemory.model.gguf_dequant import BLOCK_BYTES, dequantize_torch
+
+    t = gguf.GGMLQuantizationType[qtype]
+    raw = np.random.default_rng(1).integers(0, 256, size=(16, 8 * BLOCK_BYTES[qtype]), dtype=np.uint8)
+    blocks = raw.reshape(16, 8, BLOCK_BYTES[qtype])
+    num_scales = 2 if qtype in ("Q4_1", "Q5_1") else 1
+    scales = np.random.default_rng(2).uniform(-0.1, 0.1, size=(16, 8, num_scales)).astype(np.float16)
+    blocks[..., : 2 * num_scales] = scales.view(np.uint8)
     reference = torch.from_numpy(np.array(gguf.quants.dequantize(raw, t), dtype=np.float32))
     assert torch.equal(dequantize_torch(raw, qtype), reference)
 

@@ -70,3 +70,12 @@ def test_corrupt_tokenizer_cache_is_rebuilt(tmp_path, monkeypatch, smollm2_path,
     assert tok.decode(tok.encode("hello world")) == "hello world"
     assert Tokenizer.from_checkpoint(smollm2_path, [2]).encode("hello") == tok.encode("hello")
     assert len(builds) == 2
+
+
+def test_gguf_tokenizer_ends_generation_on_every_end_of_turn_token(smollm2_tokenizer):
+    """As llama.cpp: <|endoftext|> ends a completion even where the GGUF names only <|im_end|> as EOS."""
+    hf = smollm2_tokenizer.hf
+    assert {hf.convert_tokens_to_ids("<|im_end|>"), hf.convert_tokens_to_ids("<|endoftext|>")} <= (
+        smollm2_tokenizer.eos_token_ids
+    )
+    assert hf.convert_tokens_to_ids("<|im_start|>") not in smollm2_tokenizer.eos_token_ids
