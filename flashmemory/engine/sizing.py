@@ -7,13 +7,13 @@ import hashlib
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from flashmemory.config import EngineConfig
+from flashmemory.kvcache.levels.cold_files import default_root
 from flashmemory.errors import HostBudgetError, MemoryBudgetError
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.config import TieredCacheConfig, level_codecs
@@ -186,8 +186,8 @@ def host_budget_gb(cfg: EngineConfig) -> HostBudget:
 
 
 def cold_zone_folder(cfg: EngineConfig) -> str:
-    """Where the L2 file goes: cold_zone_dir, or by default a private folder under the system's temporary one."""
-    return cfg.cold_zone_dir or tempfile.gettempdir()
+    """Where the L2 file goes: cold_zone_dir, or by default a private folder under the FlashMemory cache folder."""
+    return cfg.cold_zone_dir or str(default_root())
 
 
 def check_host_budget(cfg: EngineConfig) -> None:

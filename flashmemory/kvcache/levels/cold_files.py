@@ -1,6 +1,6 @@
-"""Cold-zone files and their owners: a live process holds an exclusive lock on its file; files left behind by
-processes that died (kill -9, a power cut) are found by their free lock and removed at start-up — never the file
-of another live process."""
+"""Cold-zone files and their owners: a live process names its file after its pid and holds an exclusive lock on it;
+files left behind by processes that died (kill -9, a power cut) are found by a dead pid and a free lock, and removed
+at start-up — never the file of another live process, nor a file this naming did not make (older versions')."""
 
 from __future__ import annotations
 
@@ -21,6 +21,35 @@ FILE_GLOB = "kv-*.cold"
 TEMP_DIR_PREFIX = "flashmemory-cold-"
 
 
+def default_root() -> Path:
+    """Where the private cold-zone folders go when cold_zone_dir is not set: the FlashMemory cache folder
+    (FLASHMEMORY_CACHE_DIR, else ~/.cache/flashmemory), not /tmp, which other programs clean while we run."""
+    return Path(os.environ.get("FLASHMEMORY_CACHE_DIR") or Path.home() / ".cache" / "flashmemory") / "cold"
+
+
+def file_prefix() -> str:
+    """The name a new cold-zone file starts with: its owner's pid, so another process can tell whether it lives."""
+    return f"kv-{os.getpid()}-"
+
+
+def _owner_pid(path: Path) -> int | None:
+    """The pid in a file's name (kv-<pid>-<random>.cold), or None for a name this module did not make."""
+    parts = path.name.split("-")
+    return int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # no permission to signal it: it exists
+        return True
+    return True
+
+
 def hold(fd: int) -> None:
     """Mark the open file as owned by this process for as long as the descriptor is open."""
     if fcntl is not None:
@@ -28,7 +57,10 @@ def hold(fd: int) -> None:
 
 
 def _is_orphan(path: Path) -> bool:
-    """True when no live process holds the file's lock (it is left over from a dead one)."""
+    """True when the file's owner is dead and no process holds its lock (it is left over from a dead one)."""
+    pid = _owner_pid(path)
+    if pid is None or _alive(pid):
+        return False
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError:

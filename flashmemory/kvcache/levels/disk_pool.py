@@ -76,14 +76,20 @@ class DiskPool:
         self._counter_lock = threading.Lock()  # reads also come from prefetch threads
         self._owned_dir: tempfile.TemporaryDirectory | None = None
         if directory is None:
-            cold_files.remove_orphan_temp_dirs()
-            self._owned_dir = tempfile.TemporaryDirectory(prefix=cold_files.TEMP_DIR_PREFIX)
+            root = cold_files.default_root()
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"cannot create the cold-zone folder {root} ({e.strerror}); set cold_zone_dir "
+                                  "to a writable folder or cold_zone_enabled=False") from e
+            cold_files.remove_orphan_temp_dirs(root)
+            self._owned_dir = tempfile.TemporaryDirectory(prefix=cold_files.TEMP_DIR_PREFIX, dir=root)
             directory = self._owned_dir.name
         folder = Path(directory)
         try:
             folder.mkdir(parents=True, exist_ok=True)
             cold_files.remove_orphans(folder)
-            fd, name = tempfile.mkstemp(prefix="kv-", suffix=".cold", dir=folder)
+            fd, name = tempfile.mkstemp(prefix=cold_files.file_prefix(), suffix=".cold", dir=folder)
             cold_files.hold(fd)
         except OSError as e:
             raise ConfigError(

@@ -144,7 +144,7 @@ def test_files_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
 def test_orphan_temp_folders_are_removed_but_young_or_owned_ones_kept(tmp_path):
     dead = tmp_path / (cold_files.TEMP_DIR_PREFIX + "dead")
     dead.mkdir()
-    (dead / "kv-x.cold").write_bytes(b"\0" * 10)
+    (dead / "kv-999999999-x.cold").write_bytes(b"\0" * 10)  # named after a pid no process has
     owned = tmp_path / (cold_files.TEMP_DIR_PREFIX + "owned")
     owned.mkdir()
     pool = _pool(owned)
@@ -155,3 +155,9 @@ def test_orphan_temp_folders_are_removed_but_young_or_owned_ones_kept(tmp_path):
     removed = cold_files.remove_orphan_temp_dirs(tmp_path)
     assert removed == [dead] and owned.exists() and young.exists() and pool.path.exists()
     pool.close()
+
+
+def test_a_file_not_named_after_its_owner_is_never_removed(tmp_path):
+    older = tmp_path / "kv-abc123.cold"  # an older version's name: whether its owner lives cannot be told
+    older.write_bytes(b"\0" * 10)
+    assert cold_files.remove_orphans(tmp_path) == [] and older.exists()
