@@ -52,7 +52,8 @@ class EngineConfig:
     cold_zone_enabled: bool = setting(
         True, "an L2 level on disk for KV older than the warm tokens; off (--no-cold-zone) keeps all older KV in L1 "
         "(and says so when L1 is full)", flags=("--no-cold-zone",))
-    cold_zone_dir: str | None = setting(None, "folder of the L2 file; None = a private temporary folder")
+    cold_zone_dir: str | None = setting(
+        None, "folder of the L2 file; None = a private folder under ~/.cache/flashmemory/cold (FLASHMEMORY_CACHE_DIR)")
     cold_zone_gb: float | None = setting(
         None, "L2 file capacity (sparse: disk is used only as blocks are written); None = 16 GiB, or half the free "
         "disk of cold_zone_dir when that is less (a value you set above the free disk is refused at start-up)",
@@ -80,6 +81,10 @@ class EngineConfig:
     device_staging_mb: float = setting(
         0.0, "device memory (counted in max_gpu_memory_mb) for L1 blocks the prefetcher copies ahead of the step "
         "that reads them; 0 = off; needs a prefetch_strategy", unit="MiB", ge=0)
+    prefix_caching: bool = setting(
+        True, "name full KV blocks by their tokens and keep them after a request ends, so a later prompt that starts "
+        "the same (a chat's history, a document asked again) reuses them instead of prefilling again; off "
+        "(--no-prefix-caching) frees every block as its request ends", flags=("--no-prefix-caching",))
     attention_backend: str = setting(
         "auto", "decode attention of the tiered cache: auto (the native CPU kernel where it runs, else torch), "
         "native or torch (kvcache/attention/registry.py)", choices=("auto", "native", "torch"))

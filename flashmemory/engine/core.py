@@ -137,8 +137,9 @@ class EngineCore:
         started = time.perf_counter()
         for seq, n in plan.scheduled:
             start = seq.num_computed_tokens
-            entries.append((seq.seq_id, start, n))
-            input_ids.extend(seq.token_ids(start, start + n))
+            tokens = seq.token_ids(start, start + n)
+            entries.append((seq.seq_id, start, n, tokens))
+            input_ids.extend(tokens)
             if start < len(seq.prompt_ids) or n > 1:
                 num_prefill_tokens += n
             live = self._live[seq.seq_id]
@@ -195,7 +196,7 @@ class EngineCore:
                 continue
             seq.num_faults += 1
             if isinstance(error, RECOVERABLE) and seq.num_faults <= MAX_RECOMPUTES:
-                self.cache.free_sequence(seq.seq_id)  # its KV (and the damaged block with it) is dropped
+                self.cache.free_sequence(seq.seq_id, keep_cached=False)  # its KV (the damaged block too) goes
                 self.scheduler.requeue(seq)
                 self.observer.on_fault("recompute")
             else:
@@ -214,6 +215,11 @@ class EngineCore:
             cache.promote_sequence(seq.seq_id)
         for seq in plan.admitted:
             cache.add_sequence(seq.seq_id)
+            if seq.num_cached_prefix_tokens:
+                reused = cache.reuse_prefix(seq.seq_id, seq.token_ids(0, seq.num_tokens))
+                # NOTE: nothing between the scheduler's lookup and this attach evicts a whole block (only L0 copies
+                # of unused ones go), so the cache finds what the scheduler counted.
+                assert reused == seq.num_cached_prefix_tokens, (reused, seq.num_cached_prefix_tokens)
             for start, end in seq.pinned_spans:
                 cache.pin_span(seq.seq_id, start, end)
         if plan.demoted:
@@ -256,7 +262,7 @@ class EngineCore:
     def _fail(self, live: _Live, message: str, exception: BaseException | None = None) -> Delivery:
         seq = self.scheduler.abort(live.seq.seq_id)
         if seq is not None:
-            self._release(seq)
+            self._release(seq, keep_cached=False)  # what failed may be its KV: nothing of it is reused
         self._live.pop(live.seq.seq_id, None)
         self.observer.on_finished("error", None)
         return live.sink, SequenceOutput(live.request.index, "", 0, None, error=message, exception=exception)
@@ -272,9 +278,9 @@ class EngineCore:
         self._live.clear()
         return out
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, keep_cached: bool = True) -> None:
         if seq.status in (SequenceStatus.RUNNING, SequenceStatus.PARKED):
-            self.cache.free_sequence(seq.seq_id)
+            self.cache.free_sequence(seq.seq_id, keep_cached)
         seq.status = SequenceStatus.FINISHED
 
     def unfit_reason(self, num_tokens: int, pinned_spans: Seq[tuple[int, int]] = ()) -> str | None:

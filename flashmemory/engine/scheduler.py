@@ -208,12 +208,15 @@ class Scheduler:
             if len(self.running) + len(self.parked) >= self.budget.max_num_seqs:
                 break  # no filling-block row for another sequence
             seq = self.policy.next_waiting(self.waiting)
-            n = min(seq.num_pending_tokens, tokens_left)
-            usage = self._projected_usage(projected, seq, n)
+            # Tokens whose KV the prefix cache already holds are not computed again (the cache attaches them).
+            cached = self.budget.cached_prefix_tokens(seq.token_ids(0, seq.num_tokens))
+            n = min(seq.num_tokens - cached, tokens_left)
+            usage = self._projected_usage(projected, seq, cached + n)
             alone = not self.running and not self.parked  # the watermark must not starve a lone request
             if self.budget.overflow(usage, self._reserve(seq, n, watermark=not alone)) is not None:
                 break
             self.waiting.remove(seq)
+            seq.num_computed_tokens = seq.num_cached_prefix_tokens = cached
             self._start(seq, n, projected, plan)
             plan.admitted.append(seq)
             tokens_left -= n

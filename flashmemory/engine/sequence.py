@@ -26,6 +26,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
+    num_cached_prefix_tokens: int = 0  # tokens reused from the prefix cache when it was last admitted
     num_faults: int = 0  # failures while serving it (a corrupt cold block, a full disk): recomputed once, then failed
     pinned_spans: tuple[tuple[int, int], ...] = ()  # [start, end) token ranges the cache keeps in L0
 

@@ -121,6 +121,7 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
         cold_zone_uncached_reads=engine_cfg.cold_zone_uncached_reads,
         device_staging_bytes=plan.device_staging_bytes,
         attention_backend=engine_cfg.attention_backend,
+        prefix_caching=engine_cfg.prefix_caching,
     )
 
 

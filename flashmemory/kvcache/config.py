@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -53,8 +54,14 @@ class TieredCacheConfig:
     heat_predictor_path: str | None = None  # None = the weights shipped in the package
     cold_zone_uncached_reads: bool = False  # posix_fadvise(DONTNEED) after each L2 read
     device_staging_bytes: int = 0  # device area for L1 blocks copied ahead of need (0 = off; prefetch/device_staging.py)
+    prefix_caching: bool = True  # name full blocks by content and keep them for later sequences (prefix_cache.py)
     attention_backend: str = "auto"  # decode attention: "auto" (the native CPU kernel where it runs), "native", "torch"
     level_media: dict[Level, str] = field(default_factory=dict)  # a level's medium by name (levels/registry.py)
+
+    def prefix_namespace(self) -> bytes:
+        """What a block's name depends on besides its tokens: the model, every level's precision, the block size."""
+        return hashlib.sha256(b"flashmemory-kv-v1|" + self.model_fingerprint + f"|{self.kv_precision}|"
+                              f"{self.block_size}|{self.num_layers}x{self.num_kv_heads}x{self.head_dim}".encode()).digest()
 
     def placement_policy(self) -> PlacementPolicy:
         return PlacementPolicy(self.block_size, self.active_window, self.warm_tokens, self.num_sink_blocks,

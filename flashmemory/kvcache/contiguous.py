@@ -42,7 +42,7 @@ class ContiguousKVCache(KVCache):
         self._kv[seq_id] = self._allocate(GROWTH_TOKENS)
         self._lengths[seq_id] = 0
 
-    def free_sequence(self, seq_id: int) -> None:
+    def free_sequence(self, seq_id: int, keep_cached: bool = True) -> None:
         self._kv.pop(seq_id, None)
         self._lengths.pop(seq_id, None)
 

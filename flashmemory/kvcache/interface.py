@@ -18,6 +18,7 @@ class SequenceSlice:
     token_start: int  # index of the sequence's first new token in the batch's token dimension
     num_new_tokens: int
     num_cached_tokens: int  # tokens of this sequence already in the cache before this forward
+    token_ids: tuple[int, ...] | None = None  # the new tokens themselves (to name full blocks for prefix reuse)
 
     @property
     def token_end(self) -> int:
@@ -39,16 +40,16 @@ class ForwardBatch:
     def only(self, index: int) -> "ForwardBatch":
         """The batch of slice `index` alone (positions of its own tokens)."""
         s = self.slices[index]
-        single = SequenceSlice(s.seq_id, 0, s.num_new_tokens, s.num_cached_tokens)
+        single = SequenceSlice(s.seq_id, 0, s.num_new_tokens, s.num_cached_tokens, s.token_ids)
         positions = self.positions[s.token_start : s.token_end]
         return ForwardBatch((single,), positions, s.num_cached_tokens + s.num_new_tokens - 1)
 
     @classmethod
-    def build(cls, new_tokens: list[tuple[int, int, int]], device: torch.device) -> "ForwardBatch":
-        """From (seq_id, num_cached_tokens, num_new_tokens) triples, in batch order."""
+    def build(cls, new_tokens: list[tuple], device: torch.device) -> "ForwardBatch":
+        """From (seq_id, num_cached_tokens, num_new_tokens[, token_ids]) tuples, in batch order."""
         slices, ranges, start, max_position = [], [], 0, 0
-        for seq_id, num_cached, num_new in new_tokens:
-            slices.append(SequenceSlice(seq_id, start, num_new, num_cached))
+        for seq_id, num_cached, num_new, *tokens in new_tokens:
+            slices.append(SequenceSlice(seq_id, start, num_new, num_cached, tuple(tokens[0]) if tokens else None))
             ranges.append(torch.arange(num_cached, num_cached + num_new))
             start += num_new
             max_position = max(max_position, num_cached + num_new - 1)
@@ -69,8 +70,9 @@ class KVCache(ABC):
         """Start an empty sequence."""
 
     @abstractmethod
-    def free_sequence(self, seq_id: int) -> None:
-        """Release everything the sequence holds, on every level."""
+    def free_sequence(self, seq_id: int, keep_cached: bool = True) -> None:
+        """Release everything the sequence holds, on every level (blocks a prefix cache keeps stay cached unless
+        `keep_cached` is False)."""
 
     @abstractmethod
     def num_tokens(self, seq_id: int) -> int:
@@ -79,6 +81,11 @@ class KVCache(ABC):
     @abstractmethod
     def kv_capacity(self) -> KVCapacity:
         """What the cache can hold (blocks per level and the placement policy), for the scheduler's checks."""
+
+    def reuse_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        """Attach cached KV of the longest known prefix of `token_ids` to a new sequence; the tokens reused (a cache
+        without a prefix cache reuses none)."""
+        return 0
 
     def pin_span(self, seq_id: int, start: int, end: int) -> None:
         """Keep tokens [start, end) of the sequence in device memory whatever the window (a cache that keeps

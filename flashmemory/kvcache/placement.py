@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from flashmemory.errors import CapacityError
+from flashmemory.errors import CapacityError, FlashMemoryError
 from flashmemory.kvcache.config import KV_DTYPE
 from flashmemory.kvcache.levels.protocol import StorageLevel
-from flashmemory.kvcache.manager.blocks import BlockManager, Level
+from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
 from flashmemory.kvcache.manager.policy import PlacementPolicy
 from flashmemory.kvcache.quant import Codec
 
@@ -50,6 +50,17 @@ class Placement:
         self.bytes_moved["new->L0"] += device.bytes_per_slot
         return index
 
+    def wanted_levels(self, seq_id: int, index: int) -> frozenset[Level]:
+        """The levels the policy wants block `index` of the sequence on: for a block shared with other sequences
+        (a reused prefix), every level any of them wants it on."""
+        block = self.blocks.tables[seq_id].blocks[index]
+        wanted: frozenset[Level] = frozenset()
+        for owner in block.owners:
+            table = self.blocks.tables.get(owner) if isinstance(owner, int) else None
+            if table is not None:
+                wanted |= self.policy.levels_for(len(table.blocks) - 1 - index, block.pinned)
+        return wanted
+
     def place(self, seq_id: int) -> None:
         """Move each block of the sequence to the levels the policy wants it on, by its age."""
         table = self.blocks.tables[seq_id]
@@ -57,15 +68,28 @@ class Placement:
         for i, block in enumerate(table.blocks):
             if block.pinned:
                 continue
-            wanted = self.policy.levels_for(n - 1 - i, pinned=False)
+            wanted = self.wanted_levels(seq_id, i) if len(block.owners) > 1 else self.policy.levels_for(n - 1 - i, False)
             if Level.DEVICE in block.slots and Level.DEVICE not in wanted:
                 self._demote_from_device(seq_id, i)
-            if Level.DISK in wanted and block.primary == Level.HOST and Level.DISK in self.levels:
+            if Level.DISK in wanted and Level.HOST not in wanted and block.primary == Level.HOST \
+                    and Level.DISK in self.levels:
                 self._demote_to_disk(seq_id, i)
 
-    def release(self, seq_id: int) -> None:
-        """Free every slot the sequence holds, on every level."""
-        for level, slot in self.blocks.free_sequence(seq_id):
+    def restore(self, seq_id: int, num_blocks: int) -> None:
+        """Bring the first `num_blocks` blocks (a reused prefix) up to the levels the policy wants them on: an FP16
+        L1 copy decoded from L2 where only that is left, an L0 copy re-quantized from L1."""
+        for i in range(num_blocks):
+            block = self.blocks.tables[seq_id].blocks[i]
+            wanted = self.wanted_levels(seq_id, i)
+            if Level.HOST in wanted and Level.HOST not in block.slots:
+                self._restore_to_host(seq_id, i)
+            if Level.DEVICE in wanted and Level.DEVICE not in block.slots:
+                self.promote_to_device(seq_id, i)
+
+    def release(self, seq_id: int, keep_cached: bool = True) -> None:
+        """Free every slot the sequence holds, on every level; its named blocks stay in the prefix cache unless
+        `keep_cached` is False (its KV is in doubt, e.g. after a corrupt cold block)."""
+        for level, slot in self.blocks.free_sequence(seq_id, keep_cached):
             self.levels[level].free(slot)
 
     def demote_sequence(self, seq_id: int) -> int:
@@ -96,6 +120,16 @@ class Placement:
         self.bytes_moved["L1->L0"] = self.bytes_moved.get("L1->L0", 0) + promoted * device.bytes_per_slot
         return promoted
 
+    def _restore_to_host(self, seq_id: int, index: int) -> None:
+        """An L1 copy of a block that is only on L2 (decoded from its INT2 copy: as precise as that copy)."""
+        block = self.blocks.tables[seq_id].blocks[index]
+        k, v = self.codecs[Level.DISK].decode(self.levels[Level.DISK].read_block(block.slots[Level.DISK]), KV_DTYPE)
+        slot = self.allocate(Level.HOST)
+        host = self.levels[Level.HOST]
+        host.put(slot, self.codecs[Level.HOST].encode(k, v))
+        self.blocks.attach(seq_id, index, Level.HOST, slot)
+        self.bytes_moved["L2->L1"] = self.bytes_moved.get("L2->L1", 0) + host.bytes_per_slot
+
     def promote_to_device(self, seq_id: int, index: int) -> None:
         """Give block `index` an L0 copy, re-quantized from its FP16 copy when one exists (so promotion never
         compounds quantization error), else from its L2 copy."""
@@ -107,14 +141,45 @@ class Placement:
         self.blocks.attach(seq_id, index, Level.DEVICE, slot)
 
     def allocate(self, level: Level) -> int:
-        """A free slot on `level`, demoting another block under pressure; CapacityError when nothing can move."""
+        """A free slot on `level`: a free one, else one a cached block nobody uses gives up (least recently used
+        first), else one a live block's demotion frees; CapacityError when nothing can move."""
         slot = self.blocks.allocate(level)
+        while slot is None and self._evict_cached(level):
+            slot = self.blocks.allocate(level)
         if slot is None:
             self._make_room(level)
             slot = self.blocks.allocate(level)
         if slot is None:
             raise CapacityError(self._full_message(level))
         return slot
+
+    def _evict_cached(self, level: Level) -> bool:
+        """Drop one unused cached block's copy on `level`; a warm block with no cold copy is written to L2 first (the
+        prefix cache keeps it, on disk). False when no unused block has a copy there."""
+        cache = self.blocks.prefix_cache
+        block = cache.evictable(level) if cache is not None else None
+        if block is None:
+            return False
+        if level == Level.HOST and Level.DISK in self.levels and Level.DISK not in block.slots:
+            try:
+                self._write_cold_copy(block)
+            except FlashMemoryError:
+                pass  # no room on disk (or a write error): the block leaves the cache
+        for lv, slot in self.blocks.evict_cached(level):
+            self.levels[lv].free(slot)
+        return True
+
+    def _write_cold_copy(self, block: BlockEntry) -> None:
+        k, v = self.codecs[Level.HOST].decode(self.levels[Level.HOST].read_block(block.slots[Level.HOST]), KV_DTYPE)
+        slot = self.allocate(Level.DISK)
+        disk = self.levels[Level.DISK]
+        try:
+            disk.put(slot, self.codecs[Level.DISK].encode(k, v))
+        except Exception:
+            self.blocks.allocators[Level.DISK].free(slot)
+            raise
+        block.slots[Level.DISK] = slot
+        self.bytes_moved["L1->L2"] += disk.bytes_per_slot
 
     def _detach(self, seq_id: int, index: int, level: Level) -> None:
         self.levels[level].free(self.blocks.detach(seq_id, index, level))
@@ -126,6 +191,9 @@ class Placement:
 
     def _demote_to_disk(self, seq_id: int, index: int) -> None:
         block = self.blocks.tables[seq_id].blocks[index]
+        if Level.DISK in block.slots:  # restored from L2 earlier: its cold copy is still there
+            self._detach(seq_id, index, Level.HOST)
+            return
         slot = self.allocate(Level.DISK)
         k, v = self.codecs[Level.HOST].decode(self.levels[Level.HOST].read_block(block.slots[Level.HOST]), KV_DTYPE)
         disk = self.levels[Level.DISK]

@@ -19,8 +19,9 @@ from flashmemory.kvcache.config import KV_DTYPE, TieredCacheConfig, level_codecs
 from flashmemory.kvcache.interface import ForwardBatch, KVCache, SequenceSlice
 from flashmemory.kvcache.levels.protocol import StorageLevel
 from flashmemory.kvcache.levels.registry import build_levels
-from flashmemory.kvcache.manager.blocks import BlockManager, Level
+from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
 from flashmemory.kvcache.manager.capacity import KVCapacity
+from flashmemory.kvcache.manager.prefix_cache import PrefixCache, chain_hashes
 from flashmemory.kvcache.placement import Placement
 from flashmemory.kvcache.prefetch import build_prefetch
 from flashmemory.kvcache.prefetch.access_trace import TraceRecorder
@@ -41,7 +42,8 @@ class TieredKVCache(KVCache):
         self.policy = cfg.placement_policy()
         self.codecs = level_codecs(cfg.kv_precision, cfg.block_size, cfg.head_dim)
         self.levels: dict[Level, StorageLevel] = build_levels(cfg, self.codecs)
-        self.blocks = BlockManager({level: lvl.num_slots for level, lvl in self.levels.items()})
+        self.prefix_cache = PrefixCache(cfg.block_size, cfg.prefix_namespace()) if cfg.prefix_caching else None
+        self.blocks = BlockManager({level: lvl.num_slots for level, lvl in self.levels.items()}, self.prefix_cache)
         self.placement = Placement(self.policy, self.blocks, self.levels, self.codecs)
         # Objects told of every query-aware choice (trace recorder, prefetcher); none = no scoring overhead.
         self.choice_observers: list[ChoiceObserver] = []
@@ -79,7 +81,7 @@ class TieredKVCache(KVCache):
     def kv_capacity(self) -> KVCapacity:
         """Slots per level and the placement policy: what the scheduler checks a step against."""
         capacity = {level: alloc.num_slots for level, alloc in self.blocks.allocators.items()}
-        return KVCapacity(self.policy, capacity, self.cfg.max_num_seqs)
+        return KVCapacity(self.policy, capacity, self.cfg.max_num_seqs, self.prefix_cache)
 
     def use_prefetcher(self, prefetcher: Prefetcher | None) -> Prefetcher | None:
         """Swap the L2 prefetcher (None: read L2 on demand only); returns the previous one, still open."""
@@ -108,14 +110,39 @@ class TieredKVCache(KVCache):
         self.blocks.add_sequence(seq_id)
         self.seqs[seq_id] = SequenceKV(filling_row=self._free_rows.pop())
 
-    def free_sequence(self, seq_id: int) -> None:
+    def free_sequence(self, seq_id: int, keep_cached: bool = True) -> None:
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             return
-        self.placement.release(seq_id)
+        self.placement.release(seq_id, keep_cached)
         self._free_rows.append(seq.filling_row)
         if self.prefetcher is not None:
             self.prefetcher.forget(seq_id)
+
+    def reuse_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        """Give a new (empty) sequence the cached blocks of the longest prefix of `token_ids` they hold (never the
+        last token: the next forward must compute something), brought up to the levels the policy wants; returns
+        the number of tokens reused (their prefill is skipped)."""
+        seq = self.seqs[seq_id]
+        if self.prefix_cache is None or seq.num_tokens or len(token_ids) <= self.cfg.block_size:
+            return 0
+        found = self.prefix_cache.match(token_ids, (len(token_ids) - 1) // self.cfg.block_size)
+        for entry in found:
+            self.blocks.share(seq_id, entry)
+        self.placement.restore(seq_id, len(found))
+        for i, entry in enumerate(found):
+            seq.record_digest(i, self._digest_of(entry))
+        n = len(found) * self.cfg.block_size
+        seq.num_tokens = n
+        seq.token_ids = list(token_ids[:n])
+        seq.last_block_name = found[-1].block_hash if found else 0
+        return n
+
+    def _digest_of(self, block: BlockEntry) -> torch.Tensor:
+        """A cached block's key digest [num_layers, num_kv_heads, 2 * head_dim], from its most precise copy."""
+        level = next((lv for lv in (Level.HOST, Level.DEVICE, Level.DISK) if lv in block.slots))
+        kv = self.codecs[level].decode(self.levels[level].read_block(block.slots[level]), KV_DTYPE)
+        return key_digest(kv[0].to(self.cfg.device))
 
     def sequence_ids(self) -> list[int]:
         return list(self.seqs)
@@ -193,6 +220,9 @@ class TieredKVCache(KVCache):
         seq = self.seqs[s.seq_id]
         seq.plan = None
         bs = self.cfg.block_size
+        # Every token of the sequence after this commit, while all are known (they name full blocks).
+        if seq.token_ids is not None:
+            seq.token_ids = None if s.token_ids is None else seq.token_ids + list(s.token_ids)
         filling = self.filling[seq.filling_row, :, :, :, : seq.num_filling]  # [2, L, heads, m, D]
         new_k = torch.stack([pk for pk, _ in seq.pending])  # [L, heads, n, D]
         new_v = torch.stack([pv for _, pv in seq.pending])
@@ -219,6 +249,17 @@ class TieredKVCache(KVCache):
         self.placement.write_new_block(seq_id, k, v, pinned)
         # Digest for selection: per layer and KV head, the centre and radius of the block's key channels.
         seq.record_digest(index, key_digest(k))  # [L, heads, 2 * D]
+        self._name_block(seq, seq_id, index)
+
+    def _name_block(self, seq: SequenceKV, seq_id: int, index: int) -> None:
+        """Enter a full block in the prefix cache under its chain name, when its tokens are known."""
+        if self.prefix_cache is None or seq.token_ids is None:
+            return
+        bs = self.cfg.block_size
+        tokens = tuple(seq.token_ids[index * bs : (index + 1) * bs])
+        (name,) = chain_hashes(tokens, bs, self.prefix_cache.namespace, seq.last_block_name)
+        seq.last_block_name = name
+        self.prefix_cache.register(self.blocks.tables[seq_id].blocks[index], name, tokens)
 
     # ---- reporting --------------------------------------------------------------------------------------------
 
@@ -226,7 +267,8 @@ class TieredKVCache(KVCache):
         """Bytes of KV held in device memory now: L0 slots in use, the filling blocks of live sequences and the L1
         blocks staged on the device ahead of need."""
         row = self.filling[0].numel() * self.filling.element_size()
-        used = self.blocks.allocators[Level.DEVICE].num_used * self.device_pool.bytes_per_slot
+        cached = self.prefix_cache.unused_copies()[Level.DEVICE] if self.prefix_cache is not None else 0
+        used = (self.blocks.allocators[Level.DEVICE].num_used - cached) * self.device_pool.bytes_per_slot
         ahead = self.device_staging.stats()["device_staging_bytes"] if self.device_staging is not None else 0
         return int(used + row * len(self.seqs) + ahead)
 
@@ -239,13 +281,18 @@ class TieredKVCache(KVCache):
             "num_sequences": len(self.seqs),
             "num_tokens": sum(s.num_tokens for s in self.seqs.values()),
         }
+        # As vLLM counts them: cached blocks nobody uses are free (evicted on demand), reported apart.
+        cached = self.prefix_cache.unused_copies() if self.prefix_cache is not None else {}
         for level, st in self.blocks.level_stats().items():
             name = f"L{int(level)}"
             pool = self.levels[level]
-            out[f"{name}_blocks"] = st["slots_used"]
+            in_use = st["slots_used"] - cached.get(level, 0)
+            out[f"{name}_blocks"] = in_use
             out[f"{name}_blocks_total"] = st["slots_total"]
-            out[f"{name}_bytes"] = st["slots_used"] * pool.bytes_per_slot
+            out[f"{name}_bytes"] = in_use * pool.bytes_per_slot
             out[f"{name}_bytes_capacity"] = pool.capacity_bytes
+            out[f"{name}_cached_blocks"] = cached.get(level, 0)
+            out[f"{name}_cached_bytes"] = cached.get(level, 0) * pool.bytes_per_slot
         out["L0_bytes"] = self.device_bytes_used()
         out["L0_bytes_capacity"] = self.device_bytes_capacity()
         for level in (Level.HOST, Level.DISK):
@@ -257,6 +304,8 @@ class TieredKVCache(KVCache):
         for level, storage in self.levels.items():
             for key, n in storage.counters().items():
                 out[f"L{int(level)}_{key}"] = n
+        if self.prefix_cache is not None:
+            out.update(self.prefix_cache.stats())
         if self.prefetcher is not None:
             out.update(self.prefetcher.stats())
         if self.device_staging is not None:

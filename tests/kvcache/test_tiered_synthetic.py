@@ -88,3 +88,49 @@ def test_memory_and_disk_the_os_commits_stay_at_the_working_set(tmp_path):
         cache.free_sequence(i)
     assert committed[-1] == committed[0]  # slots are reused most-recently-freed first: no creep over the pool
     cache.close()
+
+
+def _forward_with_tokens(seq: SyntheticSequence, cache, tokens: list[int], start: int, end: int):
+    """SyntheticSequence.forward, with the token ids the cache names full blocks by."""
+    from flashmemory.kvcache.interface import ForwardBatch
+
+    batch = ForwardBatch.build([(seq.seq_id, start, end - start, tokens[start:end])], torch.device("cpu"))
+    out = torch.stack([cache.attend(layer, batch, seq.q[layer, start:end], seq.k[layer, start:end],
+                                    seq.v[layer, start:end]) for layer in range(seq.q.shape[0])])
+    cache.commit(batch)
+    return out
+
+
+def test_a_cached_prefix_is_reused_and_reads_exactly_what_a_fresh_prefill_wrote(tmp_path):
+    cache = TieredKVCache(tiny_config(kv_precision="fp16", selection="exact", cold_zone_dir=str(tmp_path)))
+    tokens = list(range(100, 190))
+    first, second = SyntheticSequence(1, 90, seed=5), SyntheticSequence(2, 90, seed=5)  # the same K/V per token
+    cache.add_sequence(1)
+    _forward_with_tokens(first, cache, tokens, 0, 60)
+    reference = torch.cat([_forward_with_tokens(first, cache, tokens, t, t + 1) for t in range(60, 90)], dim=1)
+    cache.free_sequence(1)
+    assert cache.stats()["prefix_cache_blocks"] == 90 // 8  # its full blocks stay cached
+    cache.add_sequence(2)
+    reused = cache.reuse_prefix(2, tokens[:60])
+    assert reused == 56 and cache.num_tokens(2) == 56  # 7 full blocks of 60 tokens; the rest is prefilled
+    _forward_with_tokens(second, cache, tokens, 56, 60)
+    again = torch.cat([_forward_with_tokens(second, cache, tokens, t, t + 1) for t in range(60, 90)], dim=1)
+    assert torch.equal(again, reference)
+    stats = cache.stats()
+    assert stats["prefix_cache_hits"] == 56 and stats["prefix_cache_queries"] == 60
+    cache.close()
+
+
+def test_cached_blocks_give_way_to_live_ones_and_move_to_disk_first(tmp_path):
+    cache = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path), host_slots=12, device_slots=16))
+    cache.add_sequence(1)
+    _forward_with_tokens(SyntheticSequence(1, 96), cache, list(range(96)), 0, 96)  # 12 blocks: L1 is full
+    cache.free_sequence(1)
+    cache.add_sequence(2)
+    _forward_with_tokens(SyntheticSequence(2, 64, seed=1), cache, list(range(500, 564)), 0, 64)
+    stats = cache.stats()
+    assert stats["L1_prefix_evicted_blocks"] > 0 and stats["prefix_cache_blocks"] > 8  # kept, on disk
+    cache.add_sequence(3)
+    assert cache.reuse_prefix(3, list(range(97))) == 96  # every block found, some restored from L2
+    assert cache.stats()["bytes_moved_L2->L1"] > 0
+    cache.close()

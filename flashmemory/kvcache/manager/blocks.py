@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Protocol
 
 
 class Level(IntEnum):
@@ -49,12 +50,17 @@ class SlotAllocator:
         self._free.append(slot)
 
 
-@dataclass
+@dataclass(eq=False)
 class BlockEntry:
-    """One logical block of a sequence: its copies by level (a block may have an L0 and an L1 copy at once)."""
+    """One block of KV: its copies by level (a block may have an L0 and an L1 copy at once), who uses it, and its
+    name in the prefix cache once it is full and named."""
 
     slots: dict[Level, int] = field(default_factory=dict)
     pinned: bool = False  # kept in L0 regardless of the window (attention sinks, pinned spans)
+    owners: set[int | str] = field(default_factory=set)  # sequences (and saved sessions) whose table holds it
+    block_hash: int | None = None  # its chain hash (prefix_cache.py), None while unnamed
+    token_ids: tuple[int, ...] | None = None  # its tokens, compared on every prefix hit
+    payload: object = None  # what the data plane keeps with it (the key digest for selection)
 
     @property
     def primary(self) -> Level:
@@ -77,12 +83,30 @@ class BlockTable:
         return [i for i, b in enumerate(self.blocks) if level in b.slots]
 
 
-class BlockManager:
-    """Owns the slot allocators of every level and the block table of every sequence."""
+class NamedBlocks(Protocol):
+    """What the block manager needs of the prefix cache (prefix_cache.PrefixCache)."""
 
-    def __init__(self, num_slots: dict[Level, int]) -> None:
+    index: dict[int, BlockEntry]
+
+    def release(self, entry: BlockEntry) -> None: ...
+
+    def acquire(self, entry: BlockEntry) -> None: ...
+
+    def evictable(self, level: Level) -> BlockEntry | None: ...
+
+    def dropped_copy(self, entry: BlockEntry, level: Level) -> None: ...
+
+    def forget(self, entry: BlockEntry) -> None: ...
+
+
+class BlockManager:
+    """Owns the slot allocators of every level, the block table of every sequence and (optionally) the prefix cache
+    that keeps named blocks after their sequences end."""
+
+    def __init__(self, num_slots: dict[Level, int], prefix_cache: NamedBlocks | None = None) -> None:
         self.allocators = {level: SlotAllocator(n) for level, n in num_slots.items()}
         self.tables: dict[int, BlockTable] = {}
+        self.prefix_cache = prefix_cache
 
     def add_sequence(self, seq_id: int) -> BlockTable:
         if seq_id in self.tables:
@@ -90,16 +114,69 @@ class BlockManager:
         table = self.tables[seq_id] = BlockTable()
         return table
 
-    def free_sequence(self, seq_id: int) -> list[tuple[Level, int]]:
-        """Drop the sequence; returns the (level, slot) pairs it released."""
+    def free_sequence(self, seq_id: int, keep_cached: bool = True) -> list[tuple[Level, int]]:
+        """Drop the sequence; returns the (level, slot) pairs it released. A block another sequence still uses is
+        kept; a named block nobody uses stays cached (its slots held until evicted) unless `keep_cached` is False,
+        which also takes the sequence's blocks out of the prefix cache."""
         table = self.tables.pop(seq_id, None)
-        released = []
-        if table is not None:
+        if table is None:
+            return []
+        if not keep_cached and self.prefix_cache is not None:
             for block in table.blocks:
-                for level, slot in block.slots.items():
-                    self.allocators[level].free(slot)
-                    released.append((level, slot))
+                self.prefix_cache.forget(block)
+        return self._release_blocks(table.blocks, seq_id)
+
+    def _release_blocks(self, blocks: list[BlockEntry], owner: int | str) -> list[tuple[Level, int]]:
+        released = []
+        for block in blocks:
+            block.owners.discard(owner)
+            if block.owners:
+                continue
+            cache = self.prefix_cache
+            if cache is not None and block.block_hash is not None and cache.index.get(block.block_hash) is block:
+                cache.release(block)
+                continue
+            for level, slot in block.slots.items():
+                self.allocators[level].free(slot)
+                released.append((level, slot))
+            block.slots.clear()
         return released
+
+    def share(self, seq_id: int, block: BlockEntry) -> int:
+        """Append an existing (cached or shared) block to the sequence's table; returns its index."""
+        table = self.tables[seq_id]
+        table.blocks.append(block)
+        block.owners.add(seq_id)
+        if self.prefix_cache is not None:
+            self.prefix_cache.acquire(block)
+        return len(table.blocks) - 1
+
+    def hold(self, owner: str, blocks: list[BlockEntry]) -> None:
+        """Keep blocks from eviction on behalf of a saved session (an owner that is not a sequence)."""
+        for block in blocks:
+            block.owners.add(owner)
+            if self.prefix_cache is not None:
+                self.prefix_cache.acquire(block)
+
+    def release_hold(self, owner: str, blocks: list[BlockEntry]) -> list[tuple[Level, int]]:
+        """Undo `hold`; returns the (level, slot) pairs released."""
+        return self._release_blocks(blocks, owner)
+
+    def evict_cached(self, level: Level) -> list[tuple[Level, int]]:
+        """Make room on `level` by dropping the copy of the least recently released unused named block there;
+        returns the (level, slot) pairs freed (empty when no unused block has a copy on the level). A block left
+        with only its L0 copy loses that too: an L0 copy is never a block's only copy."""
+        cache = self.prefix_cache
+        block = cache.evictable(level) if cache is not None else None
+        if block is None:
+            return []
+        freed = [(level, block.slots.pop(level))]
+        if set(block.slots) == {Level.DEVICE}:
+            freed.append((Level.DEVICE, block.slots.pop(Level.DEVICE)))
+        for lv, slot in freed:
+            self.allocators[lv].free(slot)
+            cache.dropped_copy(block, lv)
+        return freed
 
     def allocate(self, level: Level) -> int | None:
         allocator = self.allocators.get(level)
@@ -121,7 +198,7 @@ class BlockManager:
 
     def append_block(self, seq_id: int, pinned: bool = False) -> int:
         table = self.tables[seq_id]
-        table.blocks.append(BlockEntry(pinned=pinned))
+        table.blocks.append(BlockEntry(pinned=pinned, owners={seq_id}))
         return len(table.blocks) - 1
 
     def level_stats(self) -> dict[Level, dict[str, int]]:

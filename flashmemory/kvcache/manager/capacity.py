@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.manager.policy import Footprint, PlacementPolicy
+from flashmemory.kvcache.manager.prefix_cache import PrefixCache
 
 TIER_NAMES = {Level.DEVICE: "L0", Level.HOST: "L1", Level.DISK: "L2"}
 _POOL_NAMES = {Level.DEVICE: "device", Level.HOST: "host", Level.DISK: "disk (cold zone)"}
@@ -40,6 +41,15 @@ class KVCapacity:
     policy: PlacementPolicy | None  # None: a cache without levels (nothing but sequences is bounded)
     capacity_blocks: dict[Level, int] = field(default_factory=dict)  # slots per level
     max_num_seqs: int = 1  # live sequences at once (each has a row for its newest, still-filling block)
+    prefix_cache: PrefixCache | None = None  # the named blocks a new sequence may reuse
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of a new sequence the prefix cache holds (full blocks, never the last token):
+        their prefill is skipped. Nothing is counted or reserved."""
+        if self.prefix_cache is None or len(token_ids) <= self.block_size:
+            return 0
+        found = self.prefix_cache.match(token_ids, (len(token_ids) - 1) // self.block_size, count=False)
+        return len(found) * self.block_size
 
     @property
     def block_size(self) -> int:

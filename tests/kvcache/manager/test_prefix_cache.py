@@ -1,0 +1,129 @@
+"""The prefix cache's control plane (no torch): names, matches, reuse by reference, LRU eviction, and 1,000
+requests with shared prefixes and random aborts leaving no block leaked or freed twice on any level."""
+
+from __future__ import annotations
+
+import random
+
+from flashmemory.kvcache.manager.blocks import BlockManager, Level
+from flashmemory.kvcache.manager.prefix_cache import PrefixCache, chain_hashes
+
+BS = 4
+
+
+def test_names_chain_over_blocks_and_depend_on_the_namespace():
+    tokens = list(range(12))
+    a = chain_hashes(tokens, BS, b"model-a")
+    assert len(a) == 3 and len(set(a)) == 3
+    assert chain_hashes(tokens, BS, b"model-b") != a  # another model / precision / block size: other names
+    assert chain_hashes([99] + tokens[1:], BS, b"model-a")[2] != a[2]  # a change early renames every later block
+    assert chain_hashes(tokens[4:], BS, b"model-a", start_hash=a[0]) == a[1:]
+
+
+def _write(blocks: BlockManager, cache: PrefixCache, seq_id: int, tokens: list[int]) -> None:
+    """What the cache does as a sequence's blocks fill: take an L1 slot, name the block."""
+    prev = 0
+    table = blocks.tables[seq_id]
+    for b in range(len(table.blocks), len(tokens) // BS):
+        index = blocks.append_block(seq_id)
+        blocks.attach(seq_id, index, Level.HOST, blocks.allocate(Level.HOST))
+        chunk = tuple(tokens[b * BS : (b + 1) * BS])
+        prev = table.blocks[index - 1].block_hash if index else 0
+        (name,) = chain_hashes(chunk, BS, cache.namespace, prev)
+        cache.register(table.blocks[index], name, chunk)
+
+
+def test_a_finished_sequence_s_blocks_are_reused_by_reference_and_evicted_least_recent_first():
+    cache = PrefixCache(BS, b"ns")
+    blocks = BlockManager({Level.HOST: 6}, cache)
+    blocks.add_sequence(1)
+    _write(blocks, cache, 1, list(range(12)))
+    assert blocks.free_sequence(1) == [] and cache.num_unused == 3  # cached, slots held
+    blocks.add_sequence(2)
+    found = cache.match(list(range(10)))
+    assert [b.token_ids for b in found] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    for b in found:
+        blocks.share(2, b)
+    assert cache.num_unused == 1 and found[0].owners == {2}
+    assert cache.hit_tokens == 8 and cache.queried_tokens == 10
+    freed = blocks.evict_cached(Level.HOST)  # only the third block is unused: it goes
+    assert len(freed) == 1 and len(cache) == 2 and blocks.evict_cached(Level.HOST) == []
+
+
+def test_a_name_collision_never_serves_other_tokens():
+    cache = PrefixCache(BS, b"ns")
+    blocks = BlockManager({Level.HOST: 4}, cache)
+    blocks.add_sequence(1)
+    _write(blocks, cache, 1, [1, 2, 3, 4])
+    entry = blocks.tables[1].blocks[0]
+    entry.token_ids = (9, 9, 9, 9)  # as if another prefix had the same name
+    assert cache.match([1, 2, 3, 4, 5]) == []
+
+
+def test_1000_requests_with_shared_prefixes_and_random_aborts_leak_nothing():
+    rng = random.Random(0)
+    cache = PrefixCache(BS, b"ns")
+    levels = {Level.HOST: 64}
+    blocks = BlockManager(levels, cache)
+    documents = [[rng.randrange(100) for _ in range(40)] for _ in range(5)]
+    live: dict[int, list[int]] = {}
+    for request in range(1000):
+        if live and rng.random() < 0.5:
+            seq_id = rng.choice(list(live))
+            blocks.free_sequence(seq_id, keep_cached=rng.random() < 0.9)  # finished, or aborted after a fault
+            del live[seq_id]
+        tokens = rng.choice(documents)[: rng.randint(5, 40)] + [rng.randrange(100) for _ in range(rng.randint(0, 9))]
+        blocks.add_sequence(request)
+        for b in cache.match(tokens, (len(tokens) - 1) // BS):
+            blocks.share(request, b)
+        try:
+            _write_with_eviction(blocks, cache, request, tokens)
+        except MemoryError:
+            blocks.free_sequence(request)  # the level is full of live blocks: this request is refused
+            continue
+        live[request] = tokens
+        _check(blocks, cache, levels)
+    for seq_id in list(live):
+        blocks.free_sequence(seq_id)
+    while blocks.evict_cached(Level.HOST):
+        pass
+    assert blocks.allocators[Level.HOST].num_used == 0 and len(cache) == 0
+
+
+def _write_with_eviction(blocks: BlockManager, cache: PrefixCache, seq_id: int, tokens: list[int]) -> None:
+    table = blocks.tables[seq_id]
+    for b in range(len(table.blocks), len(tokens) // BS):
+        slot = blocks.allocate(Level.HOST)
+        while slot is None and blocks.evict_cached(Level.HOST):
+            slot = blocks.allocate(Level.HOST)
+        if slot is None:
+            raise MemoryError
+        index = blocks.append_block(seq_id)
+        blocks.attach(seq_id, index, Level.HOST, slot)
+        chunk = tuple(tokens[b * BS : (b + 1) * BS])
+        prev = table.blocks[index - 1].block_hash if index else 0
+        (name,) = chain_hashes(chunk, BS, cache.namespace, prev or 0)
+        cache.register(table.blocks[index], name, chunk)
+
+
+def _check(blocks: BlockManager, cache: PrefixCache, levels: dict) -> None:
+    """Every used slot belongs to exactly one block that a live table or the cache still holds."""
+    held = {id(b): b for t in blocks.tables.values() for b in t.blocks}
+    held.update({id(b): b for b in cache.index.values()})
+    slots = [b.slots[Level.HOST] for b in held.values() if Level.HOST in b.slots]
+    assert len(slots) == len(set(slots)), "a slot is held twice"
+    assert len(slots) == blocks.allocators[Level.HOST].num_used, "a slot leaked (or was freed while held)"
+    for b in held.values():
+        owners = {o for o in b.owners if o in blocks.tables}
+        assert owners == b.owners, "a block names an owner that is gone"
+
+
+def test_evicting_the_last_copy_but_an_l0_one_drops_the_block():
+    cache = PrefixCache(BS, b"ns")
+    blocks = BlockManager({Level.DEVICE: 2, Level.HOST: 2}, cache)
+    blocks.add_sequence(1)
+    _write(blocks, cache, 1, list(range(4)))
+    blocks.attach(1, 0, Level.DEVICE, blocks.allocate(Level.DEVICE))
+    blocks.free_sequence(1)
+    assert sorted(blocks.evict_cached(Level.HOST)) == [(Level.DEVICE, 0), (Level.HOST, 0)]
+    assert len(cache) == 0 and all(a.num_used == 0 for a in blocks.allocators.values())
