@@ -11,6 +11,7 @@ ColdZoneFullError and never be served; no slot may leak, and once every sequence
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import tempfile
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashmemory.errors import ColdBlockError, ColdZoneFullError
+from flashmemory.errors import ColdBlockError, ColdZoneFullError, ColdZoneWriteError
 from flashmemory.kvcache.config import TieredCacheConfig
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.tiered import TieredKVCache
@@ -44,12 +45,13 @@ SLOW_READ_PROBABILITY = 0.2
 DRAIN_TIMEOUT_S = 2.0  # staging must be empty this soon after every sequence is freed
 # Decode-heavy (decode steps drive prefetch) with long-lived sequences (blocks reach L2), faults now and then.
 WEIGHTS = {**BASE_WEIGHTS, "prefill": 15, "decode": 40, "read": 10, "demote": 2, "promote": 3, "free": 1, "abort": 1,
-           "prefetch_read": 8, "staging_gather": 6, "arm_flip": 1.5, "arm_enospc": 0.3, "truncate": 0.1,
+           "prefetch_read": 8, "staging_gather": 6, "arm_flip": 1.5, "arm_write_error": 0.3, "truncate": 0.1,
            "delete": 0.03}
 PREFETCH_COUNTERS = ("prefetch_issued", "prefetch_completed", "prefetch_hits", "prefetch_misses",
                      "prefetch_late_misses", "prefetch_dropped_races", "device_staging_issued", "device_staging_hits",
                      "device_staging_misses", "L2_load_failures_checksum", "L2_load_failures_truncated",
-                     "L2_load_failures_missing", "L2_load_failures_header", "L2_write_failures_full")
+                     "L2_load_failures_missing", "L2_load_failures_header", "L2_write_failures_full",
+                     "L2_write_failures_io")
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ class Round:
                                                                                    self.checker))
         self.file_deleted = False
         extra = {"prefetch_read": self.op_prefetch_read, "staging_gather": self.op_staging_gather,
-                 "arm_flip": self.op_arm_flip, "arm_enospc": self.op_arm_enospc, "truncate": self.op_truncate,
+                 "arm_flip": self.op_arm_flip, "arm_write_error": self.op_arm_write_error, "truncate": self.op_truncate,
                  "delete": self.op_delete}
         self.workload = RandomWorkload(self.driver, self.checker, self.generator, MAX_LIVE, errors, counters,
                                        WEIGHTS, extra)
@@ -160,7 +162,8 @@ class Round:
                 self.workload.step()
                 self.progress.update(sum(v for k, v in self.counters.items() if k.startswith("op_")),
                                      self.errors.count, faults=len(self.ledger.faults))
-            self.io.flips_armed = self.io.background_flips_armed = self.io.enospc_armed = 0
+            self.io.flips_armed = self.io.background_flips_armed = 0
+            self.io.write_errors_armed.clear()
             self.driver.free_all()
             check_empty(self.cache, self.errors, self.counters)
             self._check_drained()
@@ -184,9 +187,10 @@ class Round:
     # ---- faults -----------------------------------------------------------------------------------------------
 
     def on_fault(self, error: Exception) -> None:
-        """A cold-zone failure the driver contained. A refused write must leave the sequence's blocks intact."""
+        """A cold-zone failure the driver contained. A refused write must leave the sequence's blocks intact (the
+        block it was moving stays in L1) before the sequence is failed (full disk) or recomputed (I/O error)."""
         self.counters[f"faults_contained_{type(error).__name__}"] += 1
-        if isinstance(error, ColdZoneFullError):
+        if isinstance(error, (ColdZoneFullError, ColdZoneWriteError)):
             self.ledger.resolve("write", detected=True)
             seq_id = getattr(error, "seq_id", None)
             if seq_id in self.driver.live:
@@ -216,8 +220,10 @@ class Round:
             self.io.flips_armed += n
         return True
 
-    def op_arm_enospc(self) -> bool:
-        self.io.enospc_armed += 1
+    def op_arm_write_error(self) -> bool:
+        """Fail the next block write: a full disk (ENOSPC) three times in four, an I/O error (EIO) otherwise."""
+        full = self.counters["op_arm_write_error"] % 4 != 3
+        self.io.write_errors_armed.append(errno.ENOSPC if full else errno.EIO)
         return True
 
     def op_truncate(self) -> bool:

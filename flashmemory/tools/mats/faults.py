@@ -1,7 +1,7 @@
 """Disk faults for MATS-2: a PositionalIO that corrupts, refuses or delays the cold-zone file's I/O on demand, and
 a ledger pairing every injected fault with what became of it (detected, or served).
 
-Per-read and per-write faults (a flipped bit in what a read returns, ENOSPC on a block write) are remembered per
+Per-read and per-write faults (a flipped bit in what a read returns, ENOSPC or EIO on a block write) are remembered per
 thread until the code that did the I/O either raises (detected) or returns (served, an error). File-level faults
 (the file truncated or deleted under the cache) are events: the suite reads a lost block right after each one,
 and the read must fail.
@@ -29,7 +29,7 @@ SLOW_READ_S = (0.0005, 0.004)  # a slow read sleeps this long (uniform), widenin
 class Fault:
     """One injected fault and its outcome."""
 
-    kind: str  # "bit flip" | "ENOSPC" | "truncation" | "deletion"
+    kind: str  # "bit flip" | "ENOSPC" | "EIO" | "truncation" | "deletion"
     where: str
     detected: bool = False  # the code raised a ColdBlockError / ColdZoneFullError for it
     served: bool = False  # the code returned as if nothing was wrong
@@ -81,7 +81,7 @@ class FaultyDiskIO(PositionalIO):
         self._armed_lock = threading.Lock()
         self.flips_armed = 0  # the next reads (any thread's) that each get one bit flipped
         self.background_flips_armed = 0  # the next reads by a thread other than the main one (prefetch readers)
-        self.enospc_armed = 0  # the next block writes that fail with ENOSPC
+        self.write_errors_armed: list[int] = []  # errnos the next block writes fail with, in order (ENOSPC, EIO)
         self.slow_read_probability = 0.0
         self.slow_reads = 0
         self._quiet = 0  # > 0: inject nothing (the suite's own reference reads)
@@ -122,10 +122,10 @@ class FaultyDiskIO(PositionalIO):
 
     def pwrite(self, fd: int, data: bytes, offset: int) -> None:
         with self._armed_lock:
-            refuse = not self._quiet and self.enospc_armed > 0 and len(data) > SMALL_WRITE_BYTES
-            if refuse:
-                self.enospc_armed -= 1
+            refuse = not self._quiet and bool(self.write_errors_armed) and len(data) > SMALL_WRITE_BYTES
+            code = self.write_errors_armed.pop(0) if refuse else 0
         if refuse:
-            self.ledger.inject("ENOSPC", f"a {len(data)}-byte block write at offset {offset}", "write")
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            name = errno.errorcode.get(code, str(code))
+            self.ledger.inject(name, f"a {len(data)}-byte block write at offset {offset}", "write")
+            raise OSError(code, os.strerror(code))
         super().pwrite(fd, data, offset)
