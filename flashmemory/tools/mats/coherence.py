@@ -133,10 +133,11 @@ class Round:
     """One cache with its faulty disk, driven until the round's end (or until its file is deleted)."""
 
     def __init__(self, config: CoherenceConfig, seed: int, folder: str, errors: ErrorLog, counters: Counter,
-                 tallies: dict, ledger: FaultLedger, progress: Progress) -> None:
+                 tallies: dict, ledger: FaultLedger, progress: Progress,
+                 cache_config: TieredCacheConfig | None = None) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self.errors, self.counters, self.ledger, self.progress = errors, counters, ledger, progress
-        self.cache = _quiet_build(config.cache_config(folder))
+        self.cache = _quiet_build(cache_config or config.cache_config(folder))
         self.pool = self.cache.disk_pool
         self.io = FaultyDiskIO(ledger, seed)
         self.io.slow_read_probability = SLOW_READ_PROBABILITY
@@ -197,8 +198,13 @@ class Round:
                 self._check_sequence(seq_id)
 
     def _check_sequence(self, seq_id: int) -> None:
-        """Read every copy of every block of the sequence (memory levels only: the disk may be the faulty part)."""
-        for index, block in enumerate(self.cache.blocks.tables[seq_id].blocks):
+        """Read every copy of the sequence's committed blocks (memory levels only: the disk may be the faulty part).
+
+        NOTE: a write refused part-way through a commit leaves the blocks written before it in the table, past the
+        sequence's committed tokens; the engine drops them with the sequence (failed or recomputed), so they are
+        not checked here."""
+        committed = self.driver.live[seq_id].num_cached // GEOMETRY.block_size
+        for index, block in enumerate(self.cache.blocks.tables[seq_id].blocks[:committed]):
             for level, slot in block.slots.items():
                 if level != Level.DISK:
                     self.checker.check(level, seq_id, index, self.cache.levels[level].read_block(slot), None,

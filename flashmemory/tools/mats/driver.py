@@ -189,8 +189,13 @@ class CacheDriver:
                 break  # failed again and was dealt with
 
     def contain(self, error: Exception, culprits: list[int]) -> None:
+        """Deal with a failed operation as the engine would: recompute or fail each culprit (always: a sequence
+        whose commit failed part-way holds blocks past its tokens and must not be used again)."""
         if isinstance(error, COLD_ZONE_FAULTS):
-            self.on_fault(error)
+            try:
+                self.on_fault(error)
+            except Exception as e:  # noqa: BLE001 - a finding, and the culprits must still be dealt with
+                self.errors.add("exception", f"checking after {type(error).__name__}: {type(e).__name__}: {e}")
         for seq_id in culprits:
             seq = self.live.get(seq_id)
             if seq is None:

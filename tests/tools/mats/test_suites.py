@@ -3,6 +3,8 @@ whose checksums are bypassed, is reported with errors and a non-zero exit."""
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
 from collections import Counter
 
@@ -15,7 +17,9 @@ from flashmemory.tools.mats import coherence, temporal
 from flashmemory.tools.mats.checker import ShadowChecker
 from flashmemory.tools.mats.coherence import run_coherence
 from flashmemory.tools.mats.driver import CacheDriver
+from flashmemory.tools.mats.faults import FaultLedger
 from flashmemory.tools.mats.options import MatsOptions
+from flashmemory.tools.mats.progress import Progress
 from flashmemory.tools.mats.report import ErrorLog
 from flashmemory.tools.mats.temporal import GEOMETRY, run_temporal
 from flashmemory.tools.mats.threads import torch_threads
@@ -89,3 +93,25 @@ def test_the_same_seed_makes_the_same_operations(tmp_path):
 
     with torch_threads(1):
         assert run(7) == run(7) != run(8)
+
+
+
+def test_a_block_write_refused_in_the_middle_of_a_commit_is_contained_without_false_errors(tmp_path):
+    """Ten new blocks into tiny pools: the seventh pushes an older block to L2, and that write fails. The blocks
+    written before it sit in the table past the committed tokens; MATS checks only committed ones and drops the
+    sequence, as the engine does (a run that touched them reported wrong reads that were its own)."""
+    config = coherence.CONFIGS[0]
+    small = dataclasses.replace(config.cache_config(str(tmp_path)), device_slots=4, host_slots=6)
+    errors, counters, ledger = ErrorLog(), Counter(), FaultLedger()
+    with torch_threads(1):
+        round_ = coherence.Round(config, 0, str(tmp_path), errors, counters, {}, ledger, Progress("", 1, False),
+                                 cache_config=small)
+        seq_id = round_.driver.add()
+        round_.driver.forward([(seq_id, 16)])
+        round_.io.write_errors_armed.append(errno.ENOSPC)
+        round_.driver.forward([(seq_id, 80)])
+        assert counters["sequences_failed_full"] == 1 and seq_id not in round_.driver.live
+        assert errors.count == 0, errors.samples
+        assert [(f.kind, f.detected) for f in ledger.faults] == [("ENOSPC", True)]
+        assert all(a.num_used == 0 for a in round_.cache.blocks.allocators.values())
+        round_.cache.close()
