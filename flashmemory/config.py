@@ -85,6 +85,10 @@ class EngineConfig:
         True, "name full KV blocks by their tokens and keep them after a request ends, so a later prompt that starts "
         "the same (a chat's history, a document asked again) reuses them instead of prefilling again; off "
         "(--no-prefix-caching) frees every block as its request ends", flags=("--no-prefix-caching",))
+    prefix_cache_host_mb: float = setting(
+        64.0, "host memory the prefix cache may keep for the FP16 copies of blocks no request uses; beyond it the "
+        "least recently used leave L1 (written to L2 first when there is one); 0 = none stay in L1 (a quiet server "
+        "then holds only its working set)", unit="MiB", ge=0)
     attention_backend: str = setting(
         "auto", "decode attention of the tiered cache: auto (the native CPU kernel where it runs, else torch), "
         "native or torch (kvcache/attention/registry.py)", choices=("auto", "native", "torch"))

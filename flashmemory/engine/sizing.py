@@ -122,6 +122,7 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
         device_staging_bytes=plan.device_staging_bytes,
         attention_backend=engine_cfg.attention_backend,
         prefix_caching=engine_cfg.prefix_caching,
+        prefix_cache_host_bytes=int(engine_cfg.prefix_cache_host_mb * MIB),
     )
 
 

@@ -55,6 +55,7 @@ class TieredCacheConfig:
     cold_zone_uncached_reads: bool = False  # posix_fadvise(DONTNEED) after each L2 read
     device_staging_bytes: int = 0  # device area for L1 blocks copied ahead of need (0 = off; prefetch/device_staging.py)
     prefix_caching: bool = True  # name full blocks by content and keep them for later sequences (prefix_cache.py)
+    prefix_cache_host_bytes: int = 64 * 2**20  # L1 bytes unused cached blocks may keep (the rest go to L2 or leave)
     attention_backend: str = "auto"  # decode attention: "auto" (the native CPU kernel where it runs), "native", "torch"
     level_media: dict[Level, str] = field(default_factory=dict)  # a level's medium by name (levels/registry.py)
 

@@ -23,8 +23,9 @@ class Placement:
     """Owns the data moves between levels and the bytes-moved counters."""
 
     def __init__(self, policy: PlacementPolicy, blocks: BlockManager, levels: dict[Level, StorageLevel],
-                 codecs: dict[Level, Codec]) -> None:
+                 codecs: dict[Level, Codec], cached_host_slots: int | None = None) -> None:
         self.policy = policy
+        self.cached_host_slots = cached_host_slots  # L1 slots unused cached blocks may keep (None = no limit)
         self.blocks = blocks
         self.levels = levels
         self.codecs = codecs
@@ -91,6 +92,17 @@ class Placement:
         `keep_cached` is False (its KV is in doubt, e.g. after a corrupt cold block)."""
         for level, slot in self.blocks.free_sequence(seq_id, keep_cached):
             self.levels[level].free(slot)
+        self._trim_cached_host()
+
+    def _trim_cached_host(self) -> None:
+        """Keep the L1 copies of unused cached blocks within their budget (the least recently used go to L2)."""
+        cache = self.blocks.prefix_cache
+        if cache is None or self.cached_host_slots is None:
+            return
+        excess = cache.unused_copies()[Level.HOST] - self.cached_host_slots
+        for _ in range(max(0, excess)):
+            if not self._evict_cached(Level.HOST):
+                break
 
     def demote_sequence(self, seq_id: int) -> int:
         """Drop every L0 copy of the sequence's blocks, pinned ones included (preemption under device pressure).

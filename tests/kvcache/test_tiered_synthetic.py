@@ -134,3 +134,18 @@ def test_cached_blocks_give_way_to_live_ones_and_move_to_disk_first(tmp_path):
     assert cache.reuse_prefix(3, list(range(97))) == 96  # every block found, some restored from L2
     assert cache.stats()["bytes_moved_L2->L1"] > 0
     cache.close()
+
+
+def test_unused_cached_blocks_keep_host_memory_within_their_budget_and_wait_on_disk(tmp_path):
+    slot = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path / "probe"))).host_pool.bytes_per_slot
+    cache = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path), prefix_cache_host_bytes=3 * slot))
+    for i in range(4):
+        cache.add_sequence(i)
+        _forward_with_tokens(SyntheticSequence(i, 48, seed=i), cache, list(range(1000 * i, 1000 * i + 48)), 0, 48)
+        cache.free_sequence(i)
+        stats = cache.stats()
+        assert stats["L1_cached_blocks"] <= 3  # the budget holds after every request
+    assert stats["L2_cached_blocks"] > 0  # the rest wait on disk, still reusable
+    cache.add_sequence(9)
+    assert cache.reuse_prefix(9, list(range(0, 49))) == 48
+    cache.close()
