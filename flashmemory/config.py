@@ -89,6 +89,10 @@ class EngineConfig:
         64.0, "host memory the prefix cache may keep for the FP16 copies of blocks no request uses; beyond it the "
         "least recently used leave L1 (written to L2 first when there is one); 0 = none stay in L1 (a quiet server "
         "then holds only its working set)", unit="MiB", ge=0)
+    persist_cache: bool = setting(
+        False, "keep the prefix cache across restarts: the L2 file and its index stay in cold_zone_dir (needed) and "
+        "are recovered at the next start (another model, precision or block size: discarded); off, the cold zone is "
+        "scratch space removed at exit")
     attention_backend: str = setting(
         "auto", "decode attention of the tiered cache: auto (the native CPU kernel where it runs, else torch), "
         "native or torch (kvcache/attention/registry.py)", choices=("auto", "native", "torch"))

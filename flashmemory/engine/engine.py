@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from flashmemory.engine.options import is_batch, request_options
 from flashmemory.engine.request import SequenceOutput, SequenceRequest
 from flashmemory.engine.sampling import SamplingParams
 from flashmemory.engine.scheduling_policy import POLICIES, SchedulingPolicy
+from flashmemory.engine.scoring import ScoreResult, score_tokens
 from flashmemory.engine.stats import GenerationStats, peak_memory
 from flashmemory.errors import ConfigError, FlashMemoryError, PromptTooLongError
 from flashmemory.engine.sizing import DevicePlan, check_host_budget, plan_device, tiered_config
@@ -60,6 +60,7 @@ class FlashMemoryEngine:
         self.cache: KVCache = self._build_cache()
         self.last_stats = GenerationStats()
         self.last_kv_stats: dict[str, int | float] = {}
+        self.last_token_ids: list[int] = []  # prompt + generated tokens of the last finished generation
         self._core: EngineCore | None = None
         self.load_seconds = time.perf_counter() - started
         logger.info(
@@ -177,47 +178,10 @@ class FlashMemoryEngine:
             return [out.token_id for out in self._outputs(requests[0]) if out.token_id is not None]
         return [[out.token_id for out in outs if out.token_id is not None] for outs in self._run_batch(requests)]
 
-    def score_tokens(self, token_ids: list[int], num_teacher_forced: int = 0) -> "ScoreResult":
-        """Log-probabilities the model gives each next token of `token_ids` (for perplexity and fidelity).
-
-        The first len - num_teacher_forced tokens are prefilled in chunks (their next-token log-probs come from
-        the prefill); the last num_teacher_forced tokens are fed one at a time as in generation, so query-aware
-        selection and quantized levels act exactly as when decoding. Returns per-position log-probs of the
-        actual next token, plus the full log-softmax of the teacher-forced positions.
-        """
-        self._check_prompt(token_ids, max_new_tokens=0)
-        n_prefill = len(token_ids) - num_teacher_forced
-        if n_prefill < 1:
-            raise ConfigError("num_teacher_forced must leave at least one token to prefill")
-        seq_id = self.core.next_seq_id()
-        self.cache.add_sequence(seq_id)
-        target = torch.tensor(token_ids[1:], device=self.device)
-        prefill_lp: list[torch.Tensor] = []
-        decode_dists: list[torch.Tensor] = []
-        try:
-            chunk = self.config.prefill_chunk_tokens
-            for start in range(0, n_prefill, chunk):
-                piece = token_ids[start : min(start + chunk, n_prefill)]
-                logits = self._forward(seq_id, piece, all_logits=True)
-                lp = torch.log_softmax(logits, dim=-1)
-                ends = torch.arange(start, start + len(piece), device=self.device)
-                valid = ends < len(token_ids) - 1
-                prefill_lp.append(lp[valid].gather(1, target[ends[valid]][:, None])[:, 0])
-            t0 = time.perf_counter()
-            for pos in range(n_prefill, len(token_ids)):
-                lp = torch.log_softmax(self._forward(seq_id, [token_ids[pos]])[-1], dim=-1)
-                if pos < len(token_ids) - 1:
-                    decode_dists.append(lp)
-            decode_seconds = time.perf_counter() - t0
-            kv_stats = dict(self.cache.stats())
-        finally:
-            self.cache.free_sequence(seq_id)
-        dists = torch.stack(decode_dists) if decode_dists else torch.empty(0)
-        all_lp = torch.cat(prefill_lp) if prefill_lp else torch.empty(0)
-        if decode_dists:
-            forced = target[n_prefill:]  # decode step at position p predicts token p + 1
-            all_lp = torch.cat([all_lp, dists.gather(1, forced[:, None])[:, 0]])
-        return ScoreResult(all_lp, dists, n_prefill, decode_seconds, num_teacher_forced, kv_stats)
+    def score_tokens(self, token_ids: list[int], num_teacher_forced: int = 0) -> ScoreResult:
+        """Log-probabilities the model gives each next token of `token_ids` (for perplexity and fidelity); see
+        engine/scoring.py."""
+        return score_tokens(self, token_ids, num_teacher_forced)
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [len(token_ids), vocab] of one forward over the tokens (for evaluation and tests)."""
@@ -228,6 +192,33 @@ class FlashMemoryEngine:
             return self._forward(seq_id, token_ids, all_logits=True)
         finally:
             self.cache.free_sequence(seq_id)
+
+    def save_session(self, name: str, token_ids: list[int] | None = None) -> int:
+        """Keep a conversation's KV under `name` (never evicted until deleted; with persist_cache, across restarts):
+        by default the last finished generation (prompt and answer). Returns the tokens whose KV is kept."""
+        tokens = self.last_token_ids if token_ids is None else list(token_ids)
+        if not tokens:
+            raise ConfigError("nothing to save: generate something first, or pass token_ids")
+        return self._session_cache().save_session(name, tokens)
+
+    def load_session(self, name: str) -> list[int]:
+        """The token ids of a saved session: a prompt that starts with them reuses their KV."""
+        tokens = self._session_cache().load_session(name)
+        if tokens is None:
+            raise ConfigError(f"no session named {name!r}; saved: {', '.join(self.sessions()) or 'none'}")
+        return tokens
+
+    def delete_session(self, name: str) -> None:
+        self._session_cache().delete_session(name)
+
+    def sessions(self) -> list[str]:
+        sessions = getattr(self.cache, "sessions", None)
+        return sorted(sessions.sessions) if sessions is not None else []
+
+    def _session_cache(self) -> TieredKVCache:
+        if not isinstance(self.cache, TieredKVCache) or self.cache.sessions is None:
+            raise ConfigError("sessions need the tiered KV cache with prefix_caching=True")
+        return self.cache
 
     def reconfigure_kv(self, **knobs: Any) -> None:
         """Replace the KV cache with one built from the default KV settings plus `knobs` (weights stay loaded).
@@ -320,6 +311,7 @@ class FlashMemoryEngine:
             torch.cuda.reset_peak_memory_stats(self.device)
         core = self.core
         pending: list[SequenceOutput] = []
+        generated: list[int] = []
         seq_id = core.add(request, pending.append)
         done = False
         try:
@@ -329,6 +321,10 @@ class FlashMemoryEngine:
                         sink(step_out)
                 out = pending.pop(0)
                 done = out.finish_reason is not None or out.error is not None
+                if out.token_id is not None:
+                    generated.append(out.token_id)
+                if out.finish_reason is not None:
+                    self.last_token_ids = list(request.prompt_ids) + generated
                 self._account(stats, request, out)
                 if out.exception is not None:
                     raise out.exception
@@ -378,15 +374,3 @@ class FlashMemoryEngine:
             stats.finish_reason = out.finish_reason
             if out.kv_stats:
                 self.last_kv_stats = out.kv_stats
-
-
-@dataclass
-class ScoreResult:
-    """Output of FlashMemoryEngine.score_tokens."""
-
-    token_logprobs: torch.Tensor  # [len - 1]: log p(token[t + 1] | tokens[: t + 1])
-    decode_logprobs: torch.Tensor  # [teacher-forced positions, vocab]: full log-softmax at each decode step
-    num_prefill_tokens: int
-    decode_seconds: float
-    num_decode_steps: int
-    kv_stats: dict[str, int | float]  # the cache's counters just before the sequence was freed

@@ -14,7 +14,7 @@ import torch
 
 from flashmemory.config import EngineConfig
 from flashmemory.kvcache.levels.cold_files import default_root
-from flashmemory.errors import HostBudgetError, MemoryBudgetError
+from flashmemory.errors import ConfigError, HostBudgetError, MemoryBudgetError
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.config import TieredCacheConfig, level_codecs
 from flashmemory.model.model_config import ModelConfig
@@ -123,6 +123,7 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
         attention_backend=engine_cfg.attention_backend,
         prefix_caching=engine_cfg.prefix_caching,
         prefix_cache_host_bytes=int(engine_cfg.prefix_cache_host_mb * MIB),
+        persist_cache=engine_cfg.persist_cache,
     )
 
 
@@ -192,10 +193,18 @@ def cold_zone_folder(cfg: EngineConfig) -> str:
     return cfg.cold_zone_dir or str(default_root())
 
 
+def check_persistence(cfg: EngineConfig) -> None:
+    """persist_cache needs somewhere to persist to: a cold_zone_dir, the cold zone and the prefix cache."""
+    if cfg.persist_cache and not (cfg.cold_zone_dir and cfg.cold_zone_enabled and cfg.prefix_caching):
+        raise ConfigError("persist_cache needs a cold_zone_dir (the folder that outlives the process, e.g. "
+                          "--cold-zone-dir ~/.cache/flashmemory/kv), the cold zone enabled and prefix_caching on")
+
+
 def check_host_budget(cfg: EngineConfig) -> None:
     """Refuse, before any weight is loaded, an L1 host pool larger than the free RAM or an L2 file larger than the
     free disk of its folder (HostBudgetError names both numbers and the setting); skip what cannot be read and
-    what was not set (the defaults fit themselves to the machine: host_budget_gb)."""
+    what was not set (the defaults fit themselves to the machine: host_budget_gb). Checks persist_cache too."""
+    check_persistence(cfg)
     # NOTE: against MemAvailable, not MemTotal. The host pool is allocated lazily (torch.empty: the kernel commits
     # its pages as blocks are written; pinned memory on a CUDA host is committed at once), so a pool larger than
     # the free RAM starts fine and is killed by the OOM killer, or stops with a raw allocator error, once the KV

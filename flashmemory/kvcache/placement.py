@@ -174,19 +174,20 @@ class Placement:
             return False
         if level == Level.HOST and Level.DISK in self.levels and Level.DISK not in block.slots:
             try:
-                self._write_cold_copy(block)
+                self.write_cold_copy(block)
             except FlashMemoryError:
                 pass  # no room on disk (or a write error): the block leaves the cache
         for lv, slot in self.blocks.evict_cached(level):
             self.levels[lv].free(slot)
         return True
 
-    def _write_cold_copy(self, block: BlockEntry) -> None:
+    def write_cold_copy(self, block: BlockEntry) -> None:
+        """Give a block with an L1 copy an L2 copy as well (re-encoded from FP16), named for later processes."""
         k, v = self.codecs[Level.HOST].decode(self.levels[Level.HOST].read_block(block.slots[Level.HOST]), KV_DTYPE)
         slot = self.allocate(Level.DISK)
         disk = self.levels[Level.DISK]
         try:
-            disk.put(slot, self.codecs[Level.DISK].encode(k, v))
+            disk.put(slot, self.codecs[Level.DISK].encode(k, v), block.block_hash or 0)
         except Exception:
             self.blocks.allocators[Level.DISK].free(slot)
             raise
@@ -210,7 +211,7 @@ class Placement:
         k, v = self.codecs[Level.HOST].decode(self.levels[Level.HOST].read_block(block.slots[Level.HOST]), KV_DTYPE)
         disk = self.levels[Level.DISK]
         try:
-            disk.put(slot, self.codecs[Level.DISK].encode(k, v))
+            disk.put(slot, self.codecs[Level.DISK].encode(k, v), block.block_hash or 0)
         except Exception:
             self.blocks.allocators[Level.DISK].free(slot)  # the block stays in L1, where it was
             raise

@@ -23,6 +23,8 @@ from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
 from flashmemory.kvcache.manager.capacity import KVCapacity
 from flashmemory.kvcache.manager.prefix_cache import PrefixCache, chain_hashes
 from flashmemory.kvcache.placement import Placement
+from flashmemory.kvcache.prefix_store import PrefixStore
+from flashmemory.kvcache.sessions import CacheSessions
 from flashmemory.kvcache.prefetch import build_prefetch
 from flashmemory.kvcache.prefetch.access_trace import TraceRecorder
 from flashmemory.kvcache.prefetch.device_staging import DeviceStaging
@@ -59,6 +61,12 @@ class TieredKVCache(KVCache):
         if cfg.record_traces:
             self.trace = TraceRecorder()
             self.choice_observers.append(self.trace)
+        self.sessions: CacheSessions | None = None  # named conversations and (persist_cache) the saved index
+        if self.prefix_cache is not None:
+            store = PrefixStore(cfg.cold_zone_dir, cfg.prefix_namespace()) \
+                if cfg.persist_cache and Level.DISK in self.levels else None
+            self.sessions = CacheSessions(self.prefix_cache, self.blocks, self.levels, self.placement,
+                                          self._computed_digest, store, cfg.block_size)
         prefetch = build_prefetch(cfg, self.levels)
         self.prefetcher: Prefetcher | None = None
         self.device_staging: DeviceStaging | None = prefetch.device_staging
@@ -140,7 +148,14 @@ class TieredKVCache(KVCache):
         return n
 
     def _digest_of(self, block: BlockEntry) -> torch.Tensor:
-        """A cached block's key digest [num_layers, num_kv_heads, 2 * head_dim], from its most precise copy."""
+        """A cached block's key digest [num_layers, num_kv_heads, 2 * head_dim]: the one saved with it when it was
+        recovered from a previous process, else computed from its most precise copy."""
+        known = self.sessions.known_digest(block) if self.sessions is not None else None
+        if known is not None:
+            return known.to(self.cfg.device)
+        return self._computed_digest(block)
+
+    def _computed_digest(self, block: BlockEntry) -> torch.Tensor:
         level = next((lv for lv in (Level.HOST, Level.DEVICE, Level.DISK) if lv in block.slots))
         kv = self.codecs[level].decode(self.levels[level].read_block(block.slots[level]), KV_DTYPE)
         return key_digest(kv[0].to(self.cfg.device))
@@ -313,7 +328,30 @@ class TieredKVCache(KVCache):
             out.update(self.device_staging.stats())
         return out
 
+    # ---- sessions and persistence (kvcache/sessions.py) -------------------------------------------------------
+
+    def save_session(self, name: str, token_ids: list[int]) -> int:
+        """Keep the cached KV of a conversation's tokens under `name`; see CacheSessions.save."""
+        return self._sessions().save(name, token_ids)
+
+    def load_session(self, name: str) -> list[int] | None:
+        return self._sessions().load(name)
+
+    def delete_session(self, name: str) -> None:
+        self._sessions().delete(name)
+
+    def flush_cache(self) -> int:
+        """persist_cache: write the cached blocks down and publish the index; see CacheSessions.flush."""
+        return self.sessions.flush() if self.sessions is not None else 0
+
+    def _sessions(self) -> CacheSessions:
+        if self.sessions is None:
+            raise CapacityError("sessions need the prefix cache: set prefix_caching=True")
+        return self.sessions
+
     def close(self) -> None:
+        if self.sessions is not None:
+            self.sessions.close()
         if self.prefetcher is not None:
             self.prefetcher.close()
         if self.device_staging is not None:

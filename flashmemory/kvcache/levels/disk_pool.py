@@ -1,9 +1,9 @@
 """L2 cold pool: one preallocated file of fixed-size block records, each layer segment checksummed.
 
-Record layout (little-endian), one per slot at offset slot * record_bytes:
-    header  : magic "FMKV", format version, codec bits, num_layers, num_kv_heads, block_size, head_dim,
-              16-byte model fingerprint, payload crc32 per layer, header crc32
-    payload : num_layers segments, each the codec's parts of that layer, concatenated in part order
+Record layout, one per slot at offset slot * record_bytes: the header (cold_record.py: format, shape, model
+fingerprint, the block's name, a crc32 per layer segment), then num_layers segments, each the codec's parts of that
+layer concatenated in part order. The file is private scratch space (named after its process, removed on close),
+or with `persistent=True` the stable kv-cache.cold of its folder, kept for the next process (locked while open).
 
 A read verifies the file still exists, is long enough, and that the segment's crc32 matches what was
 written; any failure raises ColdBlockError and is counted by reason. A corrupt block is never served.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import os
-import struct
 import tempfile
 import threading
 import zlib
@@ -24,14 +23,13 @@ import torch
 
 from flashmemory.errors import ColdBlockError, ColdZoneFullError, ColdZoneWriteError, ConfigError
 from flashmemory.kvcache.levels import cold_files
+from flashmemory.kvcache.levels.cold_record import RecordShape
 from flashmemory.kvcache.levels.file_io import PositionalIO
 from flashmemory.kvcache.levels.protocol import Slots
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.quant import Codec, Parts
 
-MAGIC = b"FMKV"
-FORMAT_VERSION = 2  # 2: keys and values share one "codes" part
-_FIXED = struct.Struct("<4sHBxIIII16s")  # magic, version, bits, layers, heads, block_size, head_dim, fingerprint
+PERSISTENT_NAME = "kv-cache.cold"  # the file of a persistent cold zone (persist_cache)
 
 
 class DiskPool:
@@ -50,6 +48,7 @@ class DiskPool:
         directory: str | os.PathLike | None,
         model_fingerprint: bytes,
         io: PositionalIO | None = None,
+        persistent: bool = False,
     ) -> None:
         self.codec = codec
         self.io = io or PositionalIO()  # positional reads/writes (a fault-injecting one in stress tests)
@@ -59,9 +58,10 @@ class DiskPool:
         self.block_size = block_size
         self.head_dim = head_dim
         self.fingerprint = model_fingerprint[:16].ljust(16, b"\0")
+        self.shape = RecordShape(codec.bits, num_layers, num_kv_heads, block_size, head_dim, self.fingerprint)
         self.part_shapes = codec.part_shapes(self.lead, block_size, head_dim)
         self.segment_bytes = codec.nbytes(self.lead, block_size, head_dim)
-        self.header_bytes = _FIXED.size + 4 * num_layers + 4
+        self.header_bytes = self.shape.header_bytes
         self.record_bytes = -(-(self.header_bytes + num_layers * self.segment_bytes) // 4096) * 4096
         self.bytes_per_slot = num_layers * self.segment_bytes
         self.load_failures: dict[str, int] = {"missing": 0, "truncated": 0, "checksum": 0, "header": 0}
@@ -75,6 +75,10 @@ class DiskPool:
         self.uncached_reads = False  # drop each read record from the OS page cache (see set_uncached_reads)
         self._counter_lock = threading.Lock()  # reads also come from prefetch threads
         self._owned_dir: tempfile.TemporaryDirectory | None = None
+        self.persistent = persistent
+        if persistent:
+            self._open_persistent(Path(directory) if directory is not None else None)
+            return
         if directory is None:
             root = cold_files.default_root()
             try:
@@ -105,18 +109,60 @@ class DiskPool:
             raise ConfigError(f"cannot size the cold zone file {name} to {num_slots * self.record_bytes} bytes: "
                               f"{e.strerror}; lower the cold-zone capacity or free disk space") from e
 
+    def _open_persistent(self, folder: Path | None) -> None:
+        """Open (or create) the folder's stable cold-zone file and lock it: one process per folder."""
+        if folder is None:
+            raise ConfigError("persist_cache needs a cold_zone_dir: the folder whose cache survives restarts")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.path = folder / PERSISTENT_NAME
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise ConfigError(f"cold_zone_dir {str(folder)!r} is not writable ({e.strerror}); choose another "
+                              "folder") from e
+        try:
+            cold_files.hold(self._fd)
+        except OSError:
+            os.close(self._fd)
+            self._fd = -1
+            raise ConfigError(f"cold_zone_dir {str(folder)!r} is in use by another running FlashMemory process "
+                              "(its persistent cache is locked); give each server its own cold_zone_dir") from None
+        try:
+            os.ftruncate(self._fd, self.num_slots * self.record_bytes)  # grown or shrunk to this capacity
+        except OSError as e:
+            os.close(self._fd)
+            raise ConfigError(f"cannot size the cold zone file {self.path} to {self.num_slots * self.record_bytes} "
+                              f"bytes: {e.strerror}; lower cold_zone_gb or free disk space") from e
+
+    def read_name(self, slot: int) -> tuple[int, list[int]] | None:
+        """(name, per-layer crcs) the slot's header says it holds, or None when it holds no valid block of this
+        file's shape (recovering a persistent cache: a slot rewritten or torn since the index was saved)."""
+        return self.shape.parse(self.io.pread(self._fd, self.header_bytes, slot * self.record_bytes))
+
+    def adopt(self, slot: int, crcs: list[int]) -> None:
+        """Serve the block a previous process wrote in `slot` (its checksums read back from its header)."""
+        self._crcs[slot] = crcs
+
+    def sync(self) -> None:
+        """Flush the file to the disk (before an index that refers to it is published)."""
+        if self._fd >= 0:
+            os.fsync(self._fd)
+
     @property
     def capacity_bytes(self) -> int:
         return self.num_slots * self.bytes_per_slot
 
     def close(self) -> None:
         if self._fd >= 0:
+            if self.persistent:
+                self.sync()
             os.close(self._fd)
             self._fd = -1
-            try:
-                self.path.unlink()
-            except OSError:
-                pass
+            if not self.persistent:
+                try:
+                    self.path.unlink()
+                except OSError:
+                    pass
         if self._owned_dir is not None:
             self._owned_dir.cleanup()
             self._owned_dir = None
@@ -144,7 +190,7 @@ class DiskPool:
             os.fdatasync(self._fd)
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def put(self, slot: int, parts: Parts) -> None:
+    def put(self, slot: int, parts: Parts, name: int = 0) -> None:
         """Write a block (parts shaped [num_layers, num_kv_heads, ...]) into `slot`, completely or not at all as far
         as readers know: a failed write raises ColdZoneFullError (no room) or ColdZoneWriteError, counted, and the
         slot holds no block afterwards (the caller gives it back)."""
@@ -152,10 +198,7 @@ class DiskPool:
         self._crcs.pop(slot, None)  # from here until the write completes, the slot serves nothing
         segments = [self._segment(parts, layer) for layer in range(self.num_layers)]
         crcs = [zlib.crc32(s) for s in segments]
-        fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, self.codec.bits, self.num_layers, self.lead[0],
-                            self.block_size, self.head_dim, self.fingerprint)
-        head = fixed + struct.pack(f"<{self.num_layers}I", *crcs)
-        record = head + struct.pack("<I", zlib.crc32(head)) + b"".join(segments)
+        record = self.shape.pack(name, crcs) + b"".join(segments)
         try:
             self.io.pwrite(self._fd, record, slot * self.record_bytes)
         except OSError as e:
@@ -250,12 +293,7 @@ class DiskPool:
         raw = self.io.pread(self._fd, self.header_bytes, slot * self.record_bytes)
         if len(raw) < self.header_bytes:
             raise self._fail("truncated", f"cold zone file {self.path} is truncated at slot {slot}")
-        head, (crc,) = raw[:-4], struct.unpack("<I", raw[-4:])
-        magic, version, bits, layers, heads, block, dim, fp = _FIXED.unpack(head[: _FIXED.size])
-        ok = (magic == MAGIC and version == FORMAT_VERSION and zlib.crc32(head) == crc and bits == self.codec.bits
-              and (layers, heads, block, dim) == (self.num_layers, self.lead[0], self.block_size, self.head_dim)
-              and fp == self.fingerprint)
-        if not ok:
+        if self.shape.parse(raw) is None:
             raise self._fail("header", f"cold block slot {slot} has a bad header (format, shape or model mismatch)")
 
     def unflatten(self, data: bytes, n: int) -> Parts:

@@ -34,8 +34,9 @@ class StorageLevel(Protocol):
     @property
     def capacity_bytes(self) -> int: ...
 
-    def put(self, slot: int, parts: Parts) -> None:
-        """Store an encoded block (parts shaped [num_layers, num_kv_heads, ...]) in `slot`."""
+    def put(self, slot: int, parts: Parts, name: int = 0) -> None:
+        """Store an encoded block (parts shaped [num_layers, num_kv_heads, ...]) in `slot`; `name` is its prefix-cache
+        name (a medium that outlives the process records it, so a later process can tell what the slot holds)."""
 
     def read_layer(self, slots: Slots, layer: int) -> Parts:
         """One layer of several blocks: parts [num_kv_heads, len(slots), ...]."""

@@ -66,7 +66,7 @@ class TensorPool:
         return {name: records[..., off : off + size].view(dtype).view(*lead, *shape)
                 for name, (off, size, shape, dtype) in self.layout.items()}
 
-    def put(self, slot: int, parts: Parts) -> None:
+    def put(self, slot: int, parts: Parts, name: int = 0) -> None:
         """Store an encoded block (parts shaped [num_layers, num_kv_heads, ...]) in `slot`."""
         self.generation[slot] += 1  # before the write: a copy racing with it is never served
         self.high_water_slots = max(self.high_water_slots, slot + 1)

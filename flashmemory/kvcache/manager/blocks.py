@@ -43,6 +43,11 @@ class SlotAllocator:
         self._used.add(slot)
         return slot
 
+    def take(self, slots: set[int]) -> None:
+        """Mark specific free slots used (blocks recovered where a previous process left them)."""
+        self._free = [s for s in self._free if s not in slots]
+        self._used.update(slots)
+
     def free(self, slot: int) -> None:
         if slot not in self._used:
             raise ValueError(f"slot {slot} is not allocated")  # internal bookkeeping bug, never user input

@@ -1,0 +1,95 @@
+"""The prefix cache across restarts (persist_cache) and named sessions: recovered blocks answer exactly as a fresh
+prefill (the exact configuration), anything doubtful is recomputed, never served, and one folder serves one process."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from flashmemory import FlashMemoryEngine
+from flashmemory.errors import ConfigError
+from flashmemory.kvcache.prefix_store import INDEX_NAME
+
+KNOBS = dict(kv_precision="fp16", selection="exact", block_size=8, active_window=32, warm_tokens=32,
+             prefill_chunk_tokens=32, cpu_memory_gb=0.01, cold_zone_gb=0.01, persist_cache=True)
+DOCUMENT = "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do. "
+
+
+def _engine(tiny_llama, folder, **extra) -> FlashMemoryEngine:
+    return FlashMemoryEngine(model_path=str(tiny_llama), cold_zone_dir=str(folder), **{**KNOBS, **extra})
+
+
+def test_a_restarted_engine_reuses_the_document_and_answers_the_same(tiny_llama, tmp_path):
+    prompt = DOCUMENT * 2 + "What was Alice doing?"
+    first = _engine(tiny_llama, tmp_path)
+    expected = first.generate(prompt, max_new_tokens=12, ignore_eos=True)
+    first.close()  # a clean shutdown writes the cached blocks down and publishes the index
+    assert (tmp_path / INDEX_NAME).exists()
+    second = _engine(tiny_llama, tmp_path)
+    assert second.generate(prompt, max_new_tokens=12, ignore_eos=True) == expected
+    stats = second.stats()
+    assert stats["prefix_cache_hits"] >= len(second.tokenizer.encode(prompt)) - 16  # all but the last blocks
+    assert stats["L2_prefix_hit_blocks"] > 0  # found on disk
+    second.close()
+
+
+def test_another_model_precision_or_block_size_discards_the_old_entries_with_one_log_line(tiny_llama, tmp_path,
+                                                                                          caplog):
+    first = _engine(tiny_llama, tmp_path)
+    first.generate(DOCUMENT * 2, max_new_tokens=4)
+    first.close()
+    with caplog.at_level(logging.WARNING, logger="flashmemory.kvcache.prefix_store"):
+        other = _engine(tiny_llama, tmp_path, kv_precision="mixed")
+    assert [r for r in caplog.records if "discarding" in r.getMessage()]
+    assert other.stats()["prefix_cache_blocks"] == 0
+    other.close()
+
+
+def test_a_slot_rewritten_after_the_index_was_saved_is_dropped_not_served(tiny_llama, tmp_path):
+    prompt = DOCUMENT * 2 + "Who?"
+    first = _engine(tiny_llama, tmp_path)
+    expected = first.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    record = first.cache.disk_pool.record_bytes
+    first.close()
+    with np.load(tmp_path / INDEX_NAME) as index:
+        slot = int(index["slots"][1])  # the document's second block
+    with open(tmp_path / "kv-cache.cold", "r+b") as f:  # a torn write over its header
+        f.seek(slot * record + 10)
+        f.write(b"\xff" * 8)
+    second = _engine(tiny_llama, tmp_path)
+    assert second.generate(prompt, max_new_tokens=8, ignore_eos=True) == expected  # recomputed from there on
+    assert second.stats()["prefix_cache_hits"] <= 8  # only the first block came back
+    second.close()
+
+
+def test_two_engines_cannot_share_one_persistent_folder(tiny_llama, tmp_path):
+    first = _engine(tiny_llama, tmp_path)
+    with pytest.raises(ConfigError, match="in use by another running FlashMemory process"):
+        _engine(tiny_llama, tmp_path)
+    first.close()
+
+
+def test_persist_cache_without_a_folder_is_a_clear_error(tiny_llama):
+    with pytest.raises(ConfigError, match="persist_cache needs a cold_zone_dir"):
+        FlashMemoryEngine(model_path=str(tiny_llama), persist_cache=True)
+
+
+def test_a_saved_session_survives_eviction_and_a_restart(tiny_llama, tmp_path):
+    first = _engine(tiny_llama, tmp_path)
+    first.chat([{"role": "user", "content": DOCUMENT}], max_new_tokens=8, ignore_eos=True)
+    held = first.save_session("alice")
+    assert held > 0 and first.sessions() == ["alice"]
+    for i in range(6):  # other traffic fills the small levels: the session's blocks stay
+        first.generate(f"{i} " + DOCUMENT[::-1] * 2, max_new_tokens=2)
+    tokens = first.load_session("alice")
+    first.close()
+    second = _engine(tiny_llama, tmp_path)
+    assert second.sessions() == ["alice"] and second.load_session("alice") == tokens
+    second.generate(tokens + second.tokenizer.encode(" And then?"), max_new_tokens=2)
+    assert second.stats()["prefix_cache_hits"] >= held
+    second.delete_session("alice")
+    with pytest.raises(ConfigError, match="no session named 'alice'"):
+        second.load_session("alice")
+    second.close()
