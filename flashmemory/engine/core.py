@@ -215,8 +215,8 @@ class EngineCore:
             cache.promote_sequence(seq.seq_id)
         for seq in plan.admitted:
             cache.add_sequence(seq.seq_id)
-            if seq.num_cached_prefix_tokens:
-                reused = cache.reuse_prefix(seq.seq_id, seq.token_ids(0, seq.num_tokens))
+            reused = cache.reuse_prefix(seq.seq_id, seq.token_ids(0, seq.num_tokens))  # a lookup, hit or miss
+            if reused or seq.num_cached_prefix_tokens:
                 # NOTE: nothing between the scheduler's lookup and this attach evicts a whole block (only L0 copies
                 # of unused ones go), so the cache finds what the scheduler counted.
                 assert reused == seq.num_cached_prefix_tokens, (reused, seq.num_cached_prefix_tokens)

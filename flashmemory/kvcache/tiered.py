@@ -133,9 +133,9 @@ class TieredKVCache(KVCache):
         last token: the next forward must compute something), brought up to the levels the policy wants; returns
         the number of tokens reused (their prefill is skipped)."""
         seq = self.seqs[seq_id]
-        if self.prefix_cache is None or seq.num_tokens or len(token_ids) <= self.cfg.block_size:
+        if self.prefix_cache is None or seq.num_tokens or not token_ids:
             return 0
-        found = self.prefix_cache.match(token_ids, (len(token_ids) - 1) // self.cfg.block_size)
+        found = self.prefix_cache.match(token_ids, (len(token_ids) - 1) // self.cfg.block_size)  # counted
         for entry in found:
             self.blocks.share(seq_id, entry)
         self.placement.restore(seq_id, len(found))

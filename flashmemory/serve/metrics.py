@@ -66,6 +66,15 @@ PREFETCH_SERIES = (
 )
 
 
+# The prefix cache's figures (vLLM's names for queries and hits, counted in tokens), when the cache has one.
+PREFIX_SERIES = (
+    StatSeries("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache"),
+    StatSeries("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache (their prefill was skipped)"),
+    StatSeries("prefix_cache_hit_rate", "gauge", "Hits over queries since the engine started (0-1)"),
+    StatSeries("prefix_cache_blocks", "gauge", "Named blocks the prefix cache holds (in use or not)"),
+)
+
+
 class _KVCollector(Collector):
     """Exports the KV levels from the latest stats snapshot (a dict replaced whole, so reads need no lock)."""
 
@@ -91,6 +100,12 @@ class _KVCollector(Collector):
         moved = family("counter", "kv_bytes_moved", "KV bytes written into a level, by source level ('new' = fresh KV)",
                        ["source"])
         read = family("counter", "kv_bytes_read", "KV bytes read back from a level's storage")
+        cached = family("gauge", "kv_cached_blocks", "Blocks of each level that only the prefix cache holds (no request "
+                        "uses them; counted as free: evicted, least recently used first, when room is needed)")
+        prefix_hits = family("counter", "prefix_cache_hit_blocks", "Blocks reused from the prefix cache, by the level "
+                             "their fastest copy was on")
+        prefix_evicted = family("counter", "prefix_cache_evicted_blocks", "Copies of cached blocks dropped from each "
+                                "level to make room")
         committed = family("gauge", "kv_bytes_committed", "Memory or disk the OS has committed to a level so far "
                            "(host pages touched, the sparse cold file's allocated blocks); stays at the working set")
         failures = family("counter", "kv_load_failures", "Blocks that failed to load from a level, by reason",
@@ -116,11 +131,19 @@ class _KVCollector(Collector):
                 read.add_metric(lv, s[f"{tier}_bytes_read"])
             if f"{tier}_bytes_committed" in s:
                 committed.add_metric(lv, s[f"{tier}_bytes_committed"])
+            if f"{tier}_cached_blocks" in s:
+                cached.add_metric(lv, s[f"{tier}_cached_blocks"])
+            if f"{tier}_prefix_hit_blocks" in s:
+                prefix_hits.add_metric(lv, s[f"{tier}_prefix_hit_blocks"])
+                prefix_evicted.add_metric(lv, s[f"{tier}_prefix_evicted_blocks"])
         for key, value in s.items():
             if key.startswith("bytes_moved_"):
                 source, _, dest = key.removeprefix("bytes_moved_").partition("->")
                 moved.add_metric([self.model_name, dest, source], value)
-        yield from (usage, blocks, blocks_total, nbytes, capacity, selected, moved, read, failures, committed)
+        yield from (usage, blocks, blocks_total, nbytes, capacity, selected, moved, read, failures, committed, cached)
+        if "prefix_cache_queries" in s:
+            yield from (prefix_hits, prefix_evicted)
+        yield from self._series(PREFIX_SERIES)
         yield from self._series(PREFETCH_SERIES)
 
     def _series(self, table: tuple[StatSeries, ...]) -> Iterator[Metric]:

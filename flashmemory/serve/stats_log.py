@@ -40,6 +40,8 @@ class StatsLogger:
             line = (f"prompt throughput {self._prompt_tokens / elapsed:.1f} tokens/s, generation throughput "
                     f"{self._generation_tokens / elapsed:.1f} tokens/s | running {num_running}, waiting "
                     f"{num_waiting}, preempted {self._preemptions} | KV usage {usage or 'n/a'}")
+            if "prefix_cache_hit_rate" in kv_stats:
+                line += f" | prefix cache hit rate {kv_stats['prefix_cache_hit_rate']:.1%}"
             logger.info(line)
         self._last_at = now
         self._prompt_tokens = self._generation_tokens = self._preemptions = 0

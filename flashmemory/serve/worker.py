@@ -138,9 +138,9 @@ class EngineWorker:
             self.error = f"the engine stopped: {type(e).__name__}"
             self.state = "dead"
             self._outbox.extend(self.core.fail_all("the engine stopped unexpectedly; the server log has the details"))
-            self._send_outputs()
-            if self._on_fatal is not None:
+            if self._on_fatal is not None:  # before the clients hear: whoever reads the error finds the server stopping
                 self._on_fatal(self.error)
+            self._send_outputs()
         finally:
             self.engine.close()
 

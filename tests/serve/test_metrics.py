@@ -51,6 +51,10 @@ def test_metrics_parse_and_show_requests_tokens_latencies_and_every_tier(http):
     assert {s.labels["reason"] for s in m[p + "kv_load_failures"].samples} == {"missing", "truncated", "checksum",
                                                                              "header"}
     assert value(m[p + "kv_blocks"], tier="L2") == 0  # the finished request's blocks are freed
+    # The prefix cache: queries and hits in tokens, per-tier hits, cached blocks (free for the taking).
+    assert value(m[p + "prefix_cache_queries"]) >= prompt_tokens and p + "prefix_cache_hits" in m
+    assert {s.labels["tier"] for s in m[p + "prefix_cache_hit_blocks"].samples} == {"L0", "L1", "L2"}
+    assert value(m[p + "kv_cached_blocks"], tier="L1") >= 0
     # What the OS committed to each level stays after the request (the working set), and faults are counted.
     assert value(m[p + "kv_bytes_committed"], tier="L1") > 0 and value(m[p + "kv_bytes_committed"], tier="L2") > 0
     assert {s.labels["action"] for s in m[p + "sequence_faults"].samples} == {"recompute", "fail"}
