@@ -75,6 +75,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     )
     SamplingParams(**params)
     engine = FlashMemoryEngine(**engine_kwargs(args))
+    bar = _prefill_bar(engine) if sys.stderr.isatty() else None
+    if bar is not None:
+        params["progress"] = bar
     try:
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
@@ -91,8 +94,31 @@ def _run_generate(args: argparse.Namespace) -> int:
         if args.stats:
             print(format_kv_stats(engine.last_kv_stats), file=sys.stderr)
     finally:
+        if bar is not None:
+            bar.close()
         engine.close()  # the cold-zone file goes now, also on Ctrl-C or an error mid-generation
     return 0
+
+
+class _prefill_bar:  # noqa: N801 - used like a function: _prefill_bar(engine) -> callable
+    """A tqdm bar over a long prompt's prefill, drawn only once it takes more than one chunk."""
+
+    def __init__(self, engine) -> None:
+        self.chunk = engine.config.prefill_chunk_tokens
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if total <= self.chunk:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="tok", desc="prefill", leave=False, file=sys.stderr)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def format_kv_stats(stats: dict) -> str:

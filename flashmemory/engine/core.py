@@ -165,6 +165,10 @@ class EngineCore:
                           if seq.seq_id in self._live and seq.status == SequenceStatus.RUNNING]
         self.scheduler.complete_step(plan)
         self.observer.on_prefill_tokens(num_prefill_tokens)
+        for seq, _ in plan.scheduled:
+            progress = self._live[seq.seq_id].request.progress
+            if progress is not None and seq.num_computed_tokens <= len(seq.prompt_ids):
+                progress(seq.num_computed_tokens, len(seq.prompt_ids))
         done = {seq.seq_id for seq, _ in plan.scheduled}
         greedy = logits.argmax(dim=-1).tolist() if to_sample else []  # one op for every greedy sequence
         now = time.perf_counter()

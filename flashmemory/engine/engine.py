@@ -12,9 +12,8 @@ import torch
 from flashmemory.config import EngineConfig
 from flashmemory.engine.core import EngineCore
 from flashmemory.engine.observer import StepObserver
-from flashmemory.engine.options import is_batch, request_options
+from flashmemory.engine.options import RequestOptions, is_batch, request_options
 from flashmemory.engine.request import SequenceOutput, SequenceRequest
-from flashmemory.engine.sampling import SamplingParams
 from flashmemory.engine.scheduling_policy import POLICIES, SchedulingPolicy
 from flashmemory.engine.scoring import ScoreResult, score_tokens
 from flashmemory.engine.stats import GenerationStats, peak_memory
@@ -29,6 +28,7 @@ from flashmemory.model.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 Messages = list[dict[str, str]]
+MAX_LOGITS_BYTES = 2 * 2**30  # prompt_logits refuses to build more than this (score_tokens has no such limit)
 Prompt = str | list[int]
 
 
@@ -127,16 +127,17 @@ class FlashMemoryEngine:
         """Complete `prompt` (text or token ids); returns the generated text. A list of prompts (texts, or lists
         of token ids) runs as one batch and returns one text per prompt, in order.
 
-        Options: the SamplingParams fields, and `pinned_spans=[(start, end), ...]`, token ranges of the prompt
-        kept in device memory whatever the window (e.g. a system prompt).
+        Options: the SamplingParams fields; `pinned_spans=[(start, end), ...]`, token ranges of the prompt kept in
+        device memory whatever the window (e.g. a system prompt); `progress=callable(done, total)`, told after each
+        prefill step how many prompt tokens are computed (the CLI draws a bar with it).
         """
         if is_batch(prompt):
             started = time.perf_counter()
-            params, pinned = request_options(options)
+            opts = request_options(options)
             prompts = [self._prompt_ids(p) for p in prompt]
             for ids in prompts:
-                self._check_prompt(ids, params.max_new_tokens)
-            requests = [SequenceRequest(i, ids, params, started, tuple(pinned)) for i, ids in enumerate(prompts)]
+                self._check_prompt(ids, opts.params.max_new_tokens)
+            requests = [_request(i, ids, opts, started) for i, ids in enumerate(prompts)]
             results = self._run_batch(requests)
             return ["".join(out.text for out in outs) for outs in results]
         return "".join(self.stream(prompt, **options))
@@ -144,9 +145,8 @@ class FlashMemoryEngine:
     def stream(self, prompt: Prompt, **options: Any) -> Iterator[str]:
         """Complete `prompt`, yielding text pieces as they are decoded."""
         started = time.perf_counter()
-        params, pinned = request_options(options)
-        prompt_ids = self._prompt_ids(prompt)
-        return self._stream_ids(prompt_ids, params, pinned, started)
+        opts = request_options(options)
+        return self._stream_ids(self._prompt_ids(prompt), opts, started)
 
     def chat(self, messages: Messages, **options: Any) -> str:
         """Answer a conversation ([{"role": ..., "content": ...}, ...]) through the model's chat template.
@@ -157,23 +157,23 @@ class FlashMemoryEngine:
 
     def stream_chat(self, messages: Messages, pin_system_prompt: bool = False, **options: Any) -> Iterator[str]:
         started = time.perf_counter()
-        params, pinned = request_options(options)
+        opts = request_options(options)
         prompt_ids = self.tokenizer.apply_chat_template(messages)
         if pin_system_prompt and messages and messages[0].get("role") == "system":
             system_ids = self.tokenizer.apply_chat_template(messages[:1], add_generation_prompt=False)
-            pinned.append((0, len(system_ids)))
-        return self._stream_ids(prompt_ids, params, pinned, started)
+            opts.pinned.append((0, len(system_ids)))
+        return self._stream_ids(prompt_ids, opts, started)
 
     def generate_token_ids(self, prompt: Prompt | list[Prompt], **options: Any) -> list[int] | list[list[int]]:
         """Complete `prompt`; returns the generated token ids (end-of-sequence token excluded). A list of prompts
         runs as one batch and returns one list of ids per prompt."""
         started = time.perf_counter()
-        params, pinned = request_options(options)
+        opts = request_options(options)
         batch = is_batch(prompt)
         prompts = [self._prompt_ids(p) for p in prompt] if batch else [self._prompt_ids(prompt)]
         for ids in prompts:
-            self._check_prompt(ids, params.max_new_tokens)
-        requests = [SequenceRequest(i, ids, params, started, tuple(pinned)) for i, ids in enumerate(prompts)]
+            self._check_prompt(ids, opts.params.max_new_tokens)
+        requests = [_request(i, ids, opts, started) for i, ids in enumerate(prompts)]
         if not batch:
             return [out.token_id for out in self._outputs(requests[0]) if out.token_id is not None]
         return [[out.token_id for out in outs if out.token_id is not None] for outs in self._run_batch(requests)]
@@ -186,6 +186,11 @@ class FlashMemoryEngine:
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [len(token_ids), vocab] of one forward over the tokens (for evaluation and tests)."""
         self._check_prompt(token_ids, max_new_tokens=0)
+        size = len(token_ids) * self.model_config.vocab_size * 4
+        if size > MAX_LOGITS_BYTES:
+            raise ConfigError(f"prompt_logits of {len(token_ids)} tokens would hold {size / 2**30:.1f} GiB of logits "
+                              f"(vocabulary {self.model_config.vocab_size}); use score_tokens, which keeps the "
+                              "log-probabilities of the actual next tokens, for long texts")
         seq_id = self.core.next_seq_id()
         self.cache.add_sequence(seq_id)
         try:
@@ -266,7 +271,8 @@ class FlashMemoryEngine:
         if bad:
             raise ConfigError(f"token id(s) {bad[:5]} are outside the vocabulary [0, {vocab})")
         n = len(prompt_ids)
-        if n >= self.max_seq_len:
+        # Generation needs room for at least one new token; scoring (max_new_tokens=0) may fill the context.
+        if n > self.max_seq_len or (n == self.max_seq_len and max_new_tokens > 0):
             raise PromptTooLongError(
                 f"This model's maximum context length is {self.max_seq_len} tokens. However, you requested "
                 f"{n + max_new_tokens} tokens ({n} in the prompt, {max_new_tokens} in the completion). "
@@ -293,12 +299,10 @@ class FlashMemoryEngine:
             self.cache.commit(batch)
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
-    def _stream_ids(
-        self, prompt_ids: list[int], params: SamplingParams, pinned: list[tuple[int, int]], started: float
-    ) -> Iterator[str]:
-        self._check_prompt(prompt_ids, params.max_new_tokens)
+    def _stream_ids(self, prompt_ids: list[int], opts: RequestOptions, started: float) -> Iterator[str]:
+        self._check_prompt(prompt_ids, opts.params.max_new_tokens)
         # Validation above raises at call time; the generation runs as the caller iterates.
-        request = SequenceRequest(0, prompt_ids, params, started, tuple(pinned))
+        request = _request(0, prompt_ids, opts, started)
         return (out.text for out in self._outputs(request) if out.text)
 
     def _outputs(self, request: SequenceRequest) -> Iterator[SequenceOutput]:
@@ -374,3 +378,7 @@ class FlashMemoryEngine:
             stats.finish_reason = out.finish_reason
             if out.kv_stats:
                 self.last_kv_stats = out.kv_stats
+
+
+def _request(index: int, prompt_ids: list[int], opts: RequestOptions, started: float) -> SequenceRequest:
+    return SequenceRequest(index, prompt_ids, opts.params, started, tuple(opts.pinned), progress=opts.progress)

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from flashmemory.engine.sampling import SamplingParams
 from flashmemory.errors import ConfigError
 
 
-def request_options(options: dict[str, Any]) -> tuple[SamplingParams, list[tuple[int, int]]]:
-    """Split per-request options into sampling parameters and pinned token spans (validated)."""
+@dataclass
+class RequestOptions:
+    """One API call's per-request options, validated."""
+
+    params: SamplingParams
+    pinned: list[tuple[int, int]]  # [start, end) prompt token ranges kept in L0
+    progress: Callable[[int, int], None] | None = None  # told (prompt tokens computed, prompt tokens) in prefill
+
+
+def request_options(options: dict[str, Any]) -> RequestOptions:
+    """Split per-request options into sampling parameters, pinned token spans and a progress callback."""
     options = dict(options)
+    progress = options.pop("progress", None)
+    if progress is not None and not callable(progress):
+        raise ConfigError(f"progress={progress!r} must be a callable taking (tokens done, tokens in all)")
     spans = options.pop("pinned_spans", None) or []
     pinned = []
     for span in spans:
@@ -18,7 +32,7 @@ def request_options(options: dict[str, Any]) -> tuple[SamplingParams, list[tuple
                 or not 0 <= span[0] < span[1]):
             raise ConfigError(f"pinned_spans entry {span!r} must be a (start, end) pair of token indices, start < end")
         pinned.append((int(span[0]), int(span[1])))
-    return sampling_params(options), pinned
+    return RequestOptions(sampling_params(options), pinned, progress)
 
 
 def sampling_params(sampling: dict[str, Any]) -> SamplingParams:

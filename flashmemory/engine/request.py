@@ -18,6 +18,7 @@ class SequenceRequest:
     arrival_s: float  # time.perf_counter() when the request arrived
     pinned_spans: tuple[tuple[int, int], ...] = ()  # [start, end) prompt token ranges kept in L0
     capture_kv_stats: bool = False  # snapshot the cache's stats as the sequence ends (before its blocks go)
+    progress: Callable[[int, int], None] | None = None  # told (prompt tokens computed, prompt tokens) during prefill
 
 
 @dataclass

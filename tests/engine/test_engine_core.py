@@ -64,3 +64,18 @@ def test_two_streams_read_in_turns_each_get_their_own_text(engine):
                 except StopIteration:
                     live.remove(s)
     assert texts == expected
+
+
+def test_a_long_prompt_reports_its_prefill_progress(engine):
+    seen = []
+    engine.generate("Alice was beginning to get very tired " * 12, max_new_tokens=2,
+                    progress=lambda done, total: seen.append((done, total)))
+    total = seen[-1][1]
+    assert len(seen) >= 2 and seen[-1][0] == total and all(a[0] < b[0] for a, b in zip(seen, seen[1:]))
+
+
+def test_a_progress_that_is_not_callable_is_refused(engine):
+    from flashmemory.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="progress"):
+        engine.generate("hi", progress=3)
