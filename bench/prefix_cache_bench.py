@@ -35,7 +35,7 @@ def _fm(args: argparse.Namespace) -> dict:
 
     folder = Path(tempfile.mkdtemp(prefix="fm-prefix-bench-"))
     doc_ids = _doc_ids(args)
-    knobs = dict(num_threads=args.threads, max_seq_len=args.doc_tokens + 512)
+    knobs = dict(num_threads=args.threads)
 
     def ask(engine, question: str) -> float:
         ids = doc_ids + engine.tokenizer.encode(question, add_special_tokens=False)
@@ -89,7 +89,7 @@ def _llamacpp(args: argparse.Namespace) -> dict:
     doc_ids = _doc_ids(args)
 
     def load():
-        return llama_cpp.Llama(model_path=path, n_ctx=args.doc_tokens + 512, n_threads=args.threads,
+        return llama_cpp.Llama(model_path=path, n_ctx=min(8192, args.doc_tokens + 512), n_threads=args.threads,
                                n_threads_batch=args.threads, n_batch=512, verbose=False)
 
     def ask(llm, question: str) -> float:
@@ -113,7 +113,7 @@ def _llamacpp(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     again = load()
     buf = (llama_cpp.llama_token * (args.doc_tokens + 512))()
-    count = llama_cpp.c_size_t(0)
+    count = ctypes.c_size_t(0)
     llama_cpp.llama_state_load_file(again.ctx, str(state_path).encode(), buf, len(buf), ctypes.byref(count))
     again.input_ids[: count.value] = list(buf[: count.value])
     again.n_tokens = count.value
