@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from flashmemory.errors import ConfigError
+from flashmemory.seed_names import unknown_settings_message
 from flashmemory.settings import check_settings, setting
 
 # float64 is for numerical verification (exactness tests), not for serving.
@@ -32,6 +33,9 @@ class EngineConfig:
     num_threads: int | None = setting(
         None, "torch intra-op threads on CPU; None = torch's default", ge=1, flags=("--threads",), dest="threads",
         env_aliases=("FLASHMEMORY_THREADS",))
+    rope_sharding: bool = setting(
+        True, "RoPE cos/sin tables built lazily in 512-position shards as positions are first reached (memory grows "
+        "with the context); off: one table for max_seq_len positions built at start", negatable=True)
     # ---- KV hierarchy (DESIGN.md section 2); kv_field_names() is every field from kv_cache on ----
     kv_cache: str = setting("tiered", "tiered (L0/L1/L2 hierarchy) or contiguous (exact baseline, one tensor per "
                             "sequence)", choices=("tiered", "contiguous"))
@@ -126,7 +130,7 @@ class EngineConfig:
         valid = [f.name for f in fields(cls)]
         unknown = sorted(set(kwargs) - set(valid))
         if unknown:
-            raise ConfigError(f"unknown engine setting(s) {', '.join(unknown)}; valid settings: {', '.join(valid)}")
+            raise ConfigError(unknown_settings_message(unknown, valid))
         return cls(**kwargs)
 
     def resolve_device(self) -> torch.device:

@@ -56,6 +56,8 @@ class FlashMemoryEngine:
         self._check_host_budget(self.config)
         self.device_plan = self._plan_device()
         self.model = build_model(checkpoint, self.device, self.dtype)
+        if not self.config.rope_sharding:
+            self.model.rotary.tabulate(self.max_seq_len)  # one table now instead of shards as positions come
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint.path, checkpoint.config.eos_token_ids)
         self.cache: KVCache = self._build_cache()
         self.last_stats = GenerationStats()
