@@ -90,6 +90,13 @@ class EngineConfig:
     scheduling_policy: str = setting(
         "fcfs", "who is admitted next and who is preempted first: fcfs (arrival order; the newest is preempted "
         "first) (engine/scheduling_policy.py)", choices=("fcfs",))
+    budget_controller: bool = setting(
+        False, "move the L0 budget at run time by device utilization (NVML on a GPU, the engine thread's busy "
+        "fraction on a CPU): under 30 % for 30 s -10 %; over 85 % for 10 s while L0 serves under 95 % of decode "
+        "block reads +5 % (engine/budget_controller.py); never above the L0 pool sized at start-up")
+    budget_controller_min_fraction: float = setting(
+        0.5, "lowest L0 budget the budget controller may set, as a fraction of the L0 pool sized at start-up (never "
+        "below one sequence's window)", unit="fraction", gt=0, le=1)
 
     def __post_init__(self) -> None:
         # NOTE: dtype and device take open spellings (aliases, cuda:N), so they are checked here, not by choices.

@@ -22,7 +22,7 @@ RANKS = {
     "flashmemory.cli": 4, "flashmemory.__main__": 4, "flashmemory": 4,
 }
 TORCH_FREE = ("flashmemory.kvcache.manager", "flashmemory.engine.scheduler", "flashmemory.engine.sequence",
-              "flashmemory.engine.scheduling_policy")
+              "flashmemory.engine.scheduling_policy", "flashmemory.engine.budget_controller")
 # Inside the KV cache: who may not import whom (the composition root, tiered.py, imports them all).
 KVCACHE_FORBIDDEN = {
     "flashmemory.kvcache.manager": ("flashmemory.kvcache.",),  # the control plane stands alone
