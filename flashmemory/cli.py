@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from flashmemory.config import EngineConfig
 from flashmemory.config_args import add_engine_flags, add_flags, add_kv_flags, engine_kwargs
 from flashmemory.tools.bench.command import add_bench_command
+from flashmemory.tools.diagnose.command import add_diagnose_command
 from flashmemory.tools.doctor.command import add_doctor_command
 from flashmemory.errors import FlashMemoryError
 from flashmemory.serve.args import add_serve_args
@@ -252,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_eval(sub)
     add_bench_command(sub)
+    add_diagnose_command(sub)
     add_doctor_command(sub)
     _add_serve(sub)
     _add_trace(sub)
