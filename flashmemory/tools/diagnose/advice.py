@@ -148,18 +148,22 @@ def _window_never_fills(c: Context) -> Advice | None:
     window = max(block, 1 << math.ceil(math.log2(max(tokens, block))))
     if window >= cfg.active_window:
         return None
-    new = _device_bytes(c, cfg.replace(active_window=window))
-    old = _device_bytes(c, cfg)
-    if new is None or old is None or old - new <= 0:
+    new = _device_parts(c, cfg.replace(active_window=window))
+    old = _device_parts(c, cfg)
+    if new is None or old is None or sum(old) - sum(new) <= 0:
         return None
+    (old_pool, old_work), (new_pool, new_work) = old, new
+    old, new = sum(old), sum(new)
     change = {"active_window": window}
     if cfg.max_gpu_memory_mb is not None:
         change["max_gpu_memory_mb"] = max(1, cfg.max_gpu_memory_mb - int((old - new) // MIB))
     return Advice(f"the window never fills: the longest sequence had {tokens} tokens, active_window is "
                   f"{cfg.active_window}", change, "L0 and the activation workspace are sized for the window at "
                   "start-up; a window the sequences never reach reserves device memory for nothing",
-                  f"saves {(old - new) / MIB:.1f} MiB of device memory (L0 pool and workspace: l0_capacity_mib "
-                  f"from {c.f.get('l0_capacity_mib', 0):.1f})", "l0_capacity_mib", 2)
+                  f"saves {(old - new) / MIB:.1f} MiB of device memory: the L0 pool {(old_pool - new_pool) / MIB:.1f} "
+                  f"MiB (l0_capacity_mib from {c.f.get('l0_capacity_mib', 0):.1f} to about "
+                  f"{c.f.get('l0_capacity_mib', 0) - (old_pool - new_pool) / MIB:.1f}), the activation workspace "
+                  f"{(old_work - new_work) / MIB:.1f} MiB (an estimate)", "l0_capacity_mib")
 
 
 def _l0_oversized(c: Context) -> Advice | None:
@@ -183,7 +187,7 @@ def _l0_oversized(c: Context) -> Advice | None:
                   f"suggested keeps {slots} slots (the peak plus 25 %)",
                   f"saves {saving / MIB:.1f} MiB of device memory: l0_capacity_mib from "
                   f"{c.f['l0_capacity_mib']:.1f} to about {c.f['l0_capacity_mib'] - saving / MIB:.1f}",
-                  "l0_capacity_mib", 5)
+                  "l0_capacity_mib")
 
 
 def _exact_selection(c: Context) -> Advice | None:
@@ -266,6 +270,12 @@ def _threads(c: Context) -> Advice | None:
 
 def _device_bytes(c: Context, cfg: EngineConfig) -> int | None:
     """Device bytes the start-up plan of `cfg` takes beyond the weights (workspace, filling rows, L0 pool)."""
+    parts = _device_parts(c, cfg)
+    return None if parts is None else sum(parts)
+
+
+def _device_parts(c: Context, cfg: EngineConfig) -> tuple[int, int] | None:
+    """(KV bytes: L0 pool, filling rows and staging; the workspace estimate) of the start-up plan of `cfg`."""
     engine = c.engine
     if cfg.kv_cache != "tiered":
         return None
@@ -274,7 +284,8 @@ def _device_bytes(c: Context, cfg: EngineConfig) -> int | None:
         plan = plan_device(cfg, engine.model_config, engine.device_plan.weights_bytes, engine.dtype, block)
     except Exception:  # noqa: BLE001 - a configuration that does not fit has no size to compare
         return None
-    return plan.workspace_bytes + plan.filling_bytes + plan.device_slots * plan.slot_bytes + plan.device_staging_bytes
+    return (plan.filling_bytes + plan.device_slots * plan.slot_bytes + plan.device_staging_bytes,
+            plan.workspace_bytes)
 
 
 RULES: tuple[Rule, ...] = (_l2_stall, _l2_stall_with_prefetch, _warm_fits_in_ram, _slow_disk, _exact_selection,

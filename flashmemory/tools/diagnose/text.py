@@ -73,6 +73,10 @@ def render(report: DiagnoseReport, with_advice: bool) -> str:
             f"{t.phases_ms[p]:6.1f} {t.share(p):3.0%}" for p in PHASES))
     lines.append(f"  (timers: {w['timer_events']:,} events, ~{w['timer_overhead_ms_per_decode_step']:.2f} ms per "
                  "step of their own, counted in overhead)")
+    lines += ["", "Figures (the names advice refers to)"]
+    figures = [f"{name} {value:,.3g}" if isinstance(value, float) else f"{name} {value:,}"
+               for name, value in report.figures.items()]
+    lines += [f"  {'; '.join(figures[i:i + 4])}" for i in range(0, len(figures), 4)]
     if report.warnings:
         lines += ["", "Warnings"] + [f"  ! {text}" for text in report.warnings]
     if with_advice:
