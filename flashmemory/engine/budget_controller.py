@@ -193,7 +193,8 @@ class BudgetController:
     def _hit_rate_since_high(self) -> float | None:
         l0, total = self.actuator.read_counts()
         l0, total = l0 - self._high_reads[0], total - self._high_reads[1]
-        return l0 / total if total else None  # no decode step read anything: no evidence either way
+        # No decode step read anything (or the counter restarted with a new attention backend): no evidence.
+        return l0 / total if total > 0 and l0 >= 0 else None
 
     def _adjust(self, direction: str, u: float, held_s: float, hit: float | None, now: float) -> BudgetDecision | None:
         a, r = self.actuator, self.rules

@@ -88,6 +88,7 @@ def run_workload(engine, ids: list[int], decode_tokens: int) -> Measurement:
     sync = (lambda: torch.cuda.synchronize(engine.device)) if engine.device.type == "cuda" else (lambda: None)
     cost = timer_cost_s()
     clock = PhaseClock(sync=sync)
+    backend = getattr(cache, "attention", None)  # restored afterwards unless a budget controller counts reads
     counter = read_counter(cache) if tiered else None
     reads_before = dict(counter.reads) if counter else {}
     core = engine.core
@@ -127,6 +128,8 @@ def run_workload(engine, ids: list[int], decode_tokens: int) -> Measurement:
                     stats_after_prefill = dict(cache.stats())
     finally:
         del cache.free_sequence
+        if tiered:
+            cache.attention = backend
     errors = [o.error for o in outputs if o.error]
     if errors:
         raise ConfigError(f"the diagnose workload failed: {errors[0]}")
