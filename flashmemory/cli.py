@@ -1,4 +1,5 @@
-"""The `flashmemory` command: generate, eval, bench, serve, trace and train-predictor (nothing imports it)."""
+"""The `flashmemory` command: generate, eval, bench, serve, trace, train-predictor, diagnose and doctor (nothing imports
+it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from collections.abc import Sequence
 from flashmemory.config import EngineConfig
 from flashmemory.config_args import add_engine_flags, add_flags, add_kv_flags, engine_kwargs
 from flashmemory.tools.bench.command import add_bench_command
+from flashmemory.tools.diagnose.command import add_diagnose_command
+from flashmemory.tools.doctor.command import add_doctor_command
 from flashmemory.errors import FlashMemoryError
 from flashmemory.serve.args import add_serve_args
 
@@ -278,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_eval(sub)
     add_bench_command(sub)
+    add_diagnose_command(sub)
+    add_doctor_command(sub)
     _add_serve(sub)
     _add_trace(sub)
     _add_train_predictor(sub)

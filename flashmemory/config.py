@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from flashmemory.errors import ConfigError
+from flashmemory.seed_names import unknown_settings_message
 from flashmemory.settings import check_settings, setting
 
 # float64 is for numerical verification (exactness tests), not for serving.
@@ -32,6 +33,9 @@ class EngineConfig:
     num_threads: int | None = setting(
         None, "torch intra-op threads on CPU; None = torch's default", ge=1, flags=("--threads",), dest="threads",
         env_aliases=("FLASHMEMORY_THREADS",))
+    rope_sharding: bool = setting(
+        True, "RoPE cos/sin tables built lazily in 512-position shards as positions are first reached (memory grows "
+        "with the context); off: one table for max_seq_len positions built at start", negatable=True)
     # ---- KV hierarchy (DESIGN.md section 2); kv_field_names() is every field from kv_cache on ----
     kv_cache: str = setting("tiered", "tiered (L0/L1/L2 hierarchy) or contiguous (exact baseline, one tensor per "
                             "sequence)", choices=("tiered", "contiguous"))
@@ -99,6 +103,13 @@ class EngineConfig:
     scheduling_policy: str = setting(
         "fcfs", "who is admitted next and who is preempted first: fcfs (arrival order; the newest is preempted "
         "first) (engine/scheduling_policy.py)", choices=("fcfs",))
+    budget_controller: bool = setting(
+        False, "move the L0 budget at run time by device utilization (NVML on a GPU, the engine thread's busy "
+        "fraction on a CPU): under 30 % for 30 s -10 %; over 85 % for 10 s while L0 serves under 95 % of decode "
+        "block reads +5 % (engine/budget_controller.py); never above the L0 pool sized at start-up")
+    budget_controller_min_fraction: float = setting(
+        0.5, "lowest L0 budget the budget controller may set, as a fraction of the L0 pool sized at start-up (never "
+        "below one sequence's window)", unit="fraction", gt=0, le=1)
 
     def __post_init__(self) -> None:
         # NOTE: dtype and device take open spellings (aliases, cuda:N), so they are checked here, not by choices.
@@ -139,7 +150,7 @@ class EngineConfig:
         valid = [f.name for f in fields(cls)]
         unknown = sorted(set(kwargs) - set(valid))
         if unknown:
-            raise ConfigError(f"unknown engine setting(s) {', '.join(unknown)}; valid settings: {', '.join(valid)}")
+            raise ConfigError(unknown_settings_message(unknown, valid))
         return cls(**kwargs)
 
     def resolve_device(self) -> torch.device:

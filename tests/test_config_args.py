@@ -26,13 +26,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "flashmemory"
 # A valid value other than the default for every field (together they make one valid config of each class).
 ENGINE_SAMPLES = {
     "model_path": "m.gguf", "device": "cpu", "dtype": "float16", "max_seq_len": 4096, "num_threads": 2,
+    "rope_sharding": False,
     "kv_cache": "contiguous", "kv_precision": "int4", "max_gpu_memory_mb": 512, "active_window": 64,
     "warm_tokens": 128, "semantic_truncate_threshold": 0.3, "warm_budget_tokens": 256, "cpu_memory_gb": 1.5,
     "cold_zone_enabled": False, "cold_zone_dir": "/tmp/x", "cold_zone_gb": 2.5, "block_size": 32,
     "prefill_chunk_tokens": 128, "selection": "exact", "max_num_seqs": 3, "record_traces": True,
     "prefetch_strategy": "adaptive", "prefetch_ranker": "lru", "prefetch_budget_mb": 32.0,
     "heat_predictor_path": "/tmp/h.npz", "cold_zone_uncached_reads": True, "device_staging_mb": 8.0,
-    "prefix_caching": False, "prefix_cache_host_mb": 16.0, "persist_cache": True, "attention_backend": "torch", "scheduling_policy": "fcfs",
+    "prefix_caching": False, "prefix_cache_host_mb": 16.0, "persist_cache": True, "attention_backend": "torch",
+    "scheduling_policy": "fcfs", "budget_controller": True, "budget_controller_min_fraction": 0.75,
 }
 SERVER_SAMPLES = {
     "host": "localhost", "port": 9001, "api_key": "k", "allow_unauthenticated": True, "enable_streaming": False,

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from flashmemory.config import EngineConfig
-from flashmemory.engine.core import EngineCore
+from flashmemory.engine.budget_controller import BudgetController, BudgetRules, nvml_utilization
+from flashmemory.engine.core import Delivery, EngineCore
 from flashmemory.engine.observer import StepObserver
 from flashmemory.engine.options import RequestOptions, is_batch, request_options
 from flashmemory.engine.request import SequenceOutput, SequenceRequest
@@ -20,6 +21,7 @@ from flashmemory.engine.stats import GenerationStats, peak_memory
 from flashmemory.errors import ConfigError, FlashMemoryError, PromptTooLongError
 from flashmemory.engine.sizing import DevicePlan, check_host_budget, plan_device, tiered_config
 from flashmemory.kvcache.contiguous import ContiguousKVCache
+from flashmemory.kvcache.device_budget import DeviceBudget
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
 from flashmemory.kvcache.tiered import TieredKVCache
 from flashmemory.model.loader import build_model, open_checkpoint
@@ -56,12 +58,15 @@ class FlashMemoryEngine:
         self._check_host_budget(self.config)
         self.device_plan = self._plan_device()
         self.model = build_model(checkpoint, self.device, self.dtype)
+        if not self.config.rope_sharding:
+            self.model.rotary.tabulate(self.max_seq_len)  # one table now instead of shards as positions come
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint.path, checkpoint.config.eos_token_ids)
         self.cache: KVCache = self._build_cache()
         self.last_stats = GenerationStats()
         self.last_kv_stats: dict[str, int | float] = {}
         self.last_token_ids: list[int] = []  # prompt + generated tokens of the last finished generation
         self._core: EngineCore | None = None
+        self.budget_controller = self._build_budget_controller()
         self.load_seconds = time.perf_counter() - started
         logger.info(
             "loaded %s (%s, %d layers) on %s as %s in %.1f s",
@@ -120,6 +125,33 @@ class FlashMemoryEngine:
                                 max_num_batched_tokens or self.config.prefill_chunk_tokens, observer,
                                 policy or POLICIES[self.config.scheduling_policy])
         return self._core
+
+    def step_core(self, core: EngineCore) -> list[Delivery]:
+        """One step of `core`; with a budget controller, timed for it (it may then resize L0 between steps)."""
+        if self.budget_controller is None:
+            return core.step()
+        with self.budget_controller.busy():
+            out = core.step()
+        self.budget_controller.tick()
+        return out
+
+    def _build_budget_controller(self) -> BudgetController | None:
+        """The DynamicBudgetController over this cache's L0 pool when budget_controller=True."""
+        if not self.config.budget_controller:
+            return None
+        if not isinstance(self.cache, TieredKVCache):
+            raise ConfigError("budget_controller=True moves the tiered cache's L0 budget: use kv_cache='tiered' or "
+                              "budget_controller=False")
+        utilization = nvml_utilization(self.device.index or 0) if self.device.type == "cuda" else None
+        source = "NVML GPU utilization" if utilization is not None else "engine thread busy fraction"
+        rules = BudgetRules(min_fraction=self.config.budget_controller_min_fraction)
+        return BudgetController(DeviceBudget(self.cache), rules, utilization=utilization,
+                                on_resize=self._refresh_capacity, source_name=source)
+
+    def _refresh_capacity(self) -> None:
+        """The L0 budget moved: the scheduler checks its steps against the new capacity from now on."""
+        if self._core is not None:
+            self._core.scheduler.budget = self.cache.kv_capacity()
 
     # ---- public API -------------------------------------------------------------------------------------------
 
@@ -241,6 +273,7 @@ class FlashMemoryEngine:
         self.close()
         self.config = new_config
         self.cache = self._build_cache()
+        self.budget_controller = self._build_budget_controller()
 
     def clear_cache(self) -> None:
         """Free every sequence's KV on every level."""
@@ -250,6 +283,8 @@ class FlashMemoryEngine:
         """KV bytes and blocks per level, selected fractions, bytes moved between levels, load failures."""
         out = dict(self.cache.stats())
         out["weights_bytes"] = self.model.num_parameter_bytes()
+        if self.budget_controller is not None:
+            out.update(self.budget_controller.stats())
         return out
 
     def close(self) -> None:
@@ -321,7 +356,7 @@ class FlashMemoryEngine:
         try:
             while not done:
                 while not pending:
-                    for sink, step_out in core.step():
+                    for sink, step_out in self.step_core(core):
                         sink(step_out)
                 out = pending.pop(0)
                 done = out.finish_reason is not None or out.error is not None
@@ -350,7 +385,7 @@ class FlashMemoryEngine:
         finished = 0
         try:
             while finished < len(requests):
-                for sink, out in core.step():
+                for sink, out in self.step_core(core):
                     sink(out)
                     finished += out.finish_reason is not None or out.error is not None
                     self._account(stats, requests[out.index], out)

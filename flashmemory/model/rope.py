@@ -121,6 +121,13 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * attention_factor, emb.sin() * attention_factor
 
+    def tabulate(self, num_positions: int) -> None:
+        """Build the table for positions [0, num_positions) now, in one piece (rope_sharding=False: no shard is
+        added while decoding, at the price of the whole table's memory from the start)."""
+        if num_positions > self._cos.shape[0]:
+            positions = torch.arange(num_positions, device=self.device)
+            self._cos, self._sin = self._table_for(self._inv_freq, self._attention_factor, positions)
+
     def _extend_to(self, num_positions: int) -> None:
         while self._cos.shape[0] < num_positions:
             start = self._cos.shape[0]

@@ -145,6 +145,30 @@ class _KVCollector(Collector):
             yield from (prefix_hits, prefix_evicted)
         yield from self._series(PREFIX_SERIES)
         yield from self._series(PREFETCH_SERIES)
+        yield from self._budget()
+
+    def _budget(self) -> Iterator[Metric]:
+        """The L0 budget the DynamicBudgetController sets, its adjustments and its inputs (when it runs)."""
+        s = self.snapshot
+        if "L0_budget_bytes" not in s:
+            return
+        budget = GaugeMetricFamily(PREFIX + "kv_budget_bytes", "KV bytes a level may hold now (the L0 budget the "
+                                   "budget controller moves within max_gpu_memory_mb)", labels=["model_name", "tier"])
+        budget.add_metric([self.model_name, "L0"], s["L0_budget_bytes"])
+        adjustments = CounterMetricFamily(PREFIX + "kv_budget_adjustments", "Changes of the L0 budget by the budget "
+                                          "controller, by direction", labels=["model_name", "direction"])
+        for direction in ("down", "up"):
+            adjustments.add_metric([self.model_name, direction], s[f"budget_adjustments_{direction}"])
+        share = GaugeMetricFamily(PREFIX + "kv_l0_read_share", "Share of the KV blocks decode steps read that L0 "
+                                  "served (0-1, since start)", labels=["model_name"])
+        share.add_metric([self.model_name], s["L0_read_share"])
+        yield from (budget, adjustments, share)
+        if "device_utilization" in s:
+            util = GaugeMetricFamily(PREFIX + "device_utilization", "Device utilization the budget controller read "
+                                     "last (NVML on a GPU, the engine thread's busy fraction on a CPU; 0-1)",
+                                     labels=["model_name"])
+            util.add_metric([self.model_name], s["device_utilization"])
+            yield util
 
     def _series(self, table: tuple[StatSeries, ...]) -> Iterator[Metric]:
         """One family per table entry whose key the snapshot has (a counter's exposition name ends in `_total`)."""

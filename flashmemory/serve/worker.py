@@ -151,7 +151,9 @@ class EngineWorker:
                 return
             if self.core.has_work():
                 with torch.inference_mode():
-                    self._outbox.extend(self.core.step())
+                    self._outbox.extend(self.engine.step_core(self.core))
+            elif self.engine.budget_controller is not None:
+                self.engine.budget_controller.tick()  # idle time counts too (and lowers the L0 budget)
             self._publish()
             # NOTE: outputs go out after the gauges and the KV snapshot are updated, so a client that has its
             # final chunk never sees its own request still counted as running or holding blocks.
@@ -186,6 +188,8 @@ class EngineWorker:
         """Refresh the gauges and the KV snapshot; maybe write the periodic stats line."""
         s = self.core.scheduler
         stats = dict(self.engine.cache.stats())
+        if self.engine.budget_controller is not None:
+            stats.update(self.engine.budget_controller.stats())
         self.kv_stats = stats
         self.metrics.publish_kv(stats)
         self.metrics.num_requests_running.set(s.num_running)

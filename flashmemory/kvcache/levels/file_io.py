@@ -6,13 +6,19 @@ from __future__ import annotations
 import os
 import threading
 
+PORTABLE_ENV = "FLASHMEMORY_PORTABLE_IO"  # 1: the seek-based path even where pread/pwrite exist
+
 
 class PositionalIO:
     """Reads and writes at an offset without moving a shared file position (or under a lock where it must)."""
 
     def __init__(self, portable: bool | None = None) -> None:
-        # portable=True forces the seek-based path (tests run it on Linux); None picks what the OS offers.
-        self.portable = not (hasattr(os, "pread") and hasattr(os, "pwrite")) if portable is None else portable
+        # portable=True forces the seek-based path (tests run it on Linux, as does FLASHMEMORY_PORTABLE_IO=1);
+        # None picks what the OS offers.
+        if portable is None:
+            forced = os.environ.get(PORTABLE_ENV, "0").lower() in ("1", "true", "yes", "on")
+            portable = forced or not (hasattr(os, "pread") and hasattr(os, "pwrite"))
+        self.portable = portable
         self._lock = threading.Lock()
 
     def pread(self, fd: int, size: int, offset: int) -> bytes:

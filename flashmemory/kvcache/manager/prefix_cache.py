@@ -95,6 +95,10 @@ class PrefixCache:
         if entry.block_hash is not None:
             self._unused.pop(entry.block_hash, None)
 
+    def unused_blocks(self) -> list[BlockEntry]:
+        """Blocks nobody uses, least recently released first."""
+        return list(self._unused.values())
+
     def unused_copies(self) -> dict[Level, int]:
         """Copies per level held by blocks nobody uses: slots that are cached, and free for the taking."""
         out = {level: 0 for level in Level}

@@ -1,4 +1,7 @@
-"""The cold level never serves a damaged block: flipped byte, truncated file and deleted file are detected."""
+"""The cold level never serves a damaged block: flipped byte, truncated file and deleted file are detected.
+
+Every test runs twice: with os.pread/os.pwrite, and with the portable seek-based I/O forced
+(FLASHMEMORY_PORTABLE_IO=1, the path a system without positional I/O takes), the engine's disk level included."""
 
 from __future__ import annotations
 
@@ -9,15 +12,25 @@ import torch
 
 from flashmemory.errors import ColdBlockError, ConfigError
 from flashmemory.kvcache.levels.disk_pool import DiskPool
+from flashmemory.kvcache.levels.file_io import PORTABLE_ENV
 from flashmemory.kvcache.quant import Codec
 
 LAYERS, HEADS, BS, DIM = 3, 2, 16, 32
 
 
+@pytest.fixture(autouse=True, params=["positional", "portable"])
+def io_path(request, monkeypatch) -> bool:
+    """Which file I/O every DiskPool of the test uses (the engine's included): True = the seek fallback."""
+    portable = request.param == "portable"
+    monkeypatch.setenv(PORTABLE_ENV, "1" if portable else "0")
+    return portable
+
+
 @pytest.fixture
-def pool(tmp_path):
+def pool(tmp_path, io_path):
     p = DiskPool(Codec(2, BS, 16), num_slots=4, num_layers=LAYERS, num_kv_heads=HEADS, block_size=BS,
                  head_dim=DIM, directory=tmp_path, model_fingerprint=b"model-a")
+    assert p.io.portable == io_path
     yield p
     p.close()
 
@@ -94,7 +107,7 @@ def test_unwritable_cold_zone_dir_is_a_config_error(tmp_path):
         DiskPool(Codec(2, BS, 16), 1, LAYERS, HEADS, BS, DIM, blocker / "sub", b"m")
 
 
-def test_engine_reports_a_corrupt_cold_block_instead_of_serving_it(tiny_llama, tmp_path):
+def test_engine_reports_a_corrupt_cold_block_instead_of_serving_it(tiny_llama, tmp_path, io_path):
     from flashmemory import FlashMemoryEngine
 
     engine = FlashMemoryEngine(model_path=str(tiny_llama), block_size=8, active_window=16, warm_tokens=16,
@@ -102,7 +115,7 @@ def test_engine_reports_a_corrupt_cold_block_instead_of_serving_it(tiny_llama, t
     engine.cache.add_sequence(1)
     engine._forward(1, list(range(3, 90)))
     pool = engine.cache.disk_pool
-    assert pool.bytes_written > 0
+    assert pool.bytes_written > 0 and pool.io.portable == io_path
     with open(pool.path, "r+b") as f:  # flip a byte in every written record's payload
         for slot in list(pool._crcs):
             f.seek(slot * pool.record_bytes + pool.header_bytes + 3)
