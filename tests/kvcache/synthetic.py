@@ -19,35 +19,40 @@ def tiny_config(**overrides) -> TieredCacheConfig:
     return dataclasses.replace(base, **overrides)
 
 
+QWEN_GEOMETRY = dict(layers=3, heads=14, kv_heads=2, dim=64)  # Qwen2.5-0.5B's heads (fewer layers, for speed)
+
+
 class SyntheticSequence:
     """Deterministic q, k, v per layer and token of one sequence, and the dense reference attention over them."""
 
-    def __init__(self, seq_id: int, num_tokens: int, seed: int = 0) -> None:
+    def __init__(self, seq_id: int, num_tokens: int, seed: int = 0, layers: int = LAYERS, heads: int = HEADS,
+                 kv_heads: int = KV_HEADS, dim: int = DIM) -> None:
         g = torch.Generator().manual_seed(seed)
         self.seq_id = seq_id
-        self.q = torch.randn(LAYERS, num_tokens, HEADS, DIM, generator=g)
+        self.layers, self.heads, self.kv_heads, self.dim = layers, heads, kv_heads, dim
+        self.q = torch.randn(layers, num_tokens, heads, dim, generator=g)
         # Keys with a per-channel offset, as real keys have, so a block's min/max box means something.
-        self.k = torch.randn(LAYERS, num_tokens, KV_HEADS, DIM, generator=g) + torch.randn(LAYERS, 1, KV_HEADS, DIM,
+        self.k = torch.randn(layers, num_tokens, kv_heads, dim, generator=g) + torch.randn(layers, 1, kv_heads, dim,
                                                                                            generator=g)
-        self.v = torch.randn(LAYERS, num_tokens, KV_HEADS, DIM, generator=g)
+        self.v = torch.randn(layers, num_tokens, kv_heads, dim, generator=g)
 
     def forward(self, cache: KVCache, start: int, end: int) -> torch.Tensor:
         """Feed tokens [start, end) through every layer and commit; the attention outputs [layers, n, heads, D]."""
         batch = ForwardBatch.build([(self.seq_id, start, end - start)], torch.device("cpu"))
         out = torch.stack([cache.attend(layer, batch, self.q[layer, start:end], self.k[layer, start:end],
-                                        self.v[layer, start:end]) for layer in range(LAYERS)])
+                                        self.v[layer, start:end]) for layer in range(self.layers)])
         cache.commit(batch)
         return out
 
     def reference(self, start: int, end: int) -> torch.Tensor:
         """Causal attention of tokens [start, end) over every earlier token, float64 over fp16-rounded K/V."""
-        out = torch.empty(LAYERS, end - start, HEADS, DIM, dtype=torch.float64)
-        group = HEADS // KV_HEADS
-        for layer in range(LAYERS):
+        out = torch.empty(self.layers, end - start, self.heads, self.dim, dtype=torch.float64)
+        group = self.heads // self.kv_heads
+        for layer in range(self.layers):
             k = self.k[layer, :end].half().double().repeat_interleave(group, dim=1)  # [T, heads, D]
             v = self.v[layer, :end].half().double().repeat_interleave(group, dim=1)
             q = self.q[layer, start:end].double()
-            scores = torch.einsum("nhd,thd->hnt", q, k) * DIM**-0.5
+            scores = torch.einsum("nhd,thd->hnt", q, k) * self.dim**-0.5
             visible = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]  # [n, T]
             scores = scores.masked_fill(~visible, float("-inf"))
             out[layer] = torch.einsum("hnt,thd->nhd", torch.softmax(scores, dim=-1), v)

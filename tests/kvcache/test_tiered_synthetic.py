@@ -149,3 +149,25 @@ def test_unused_cached_blocks_keep_host_memory_within_their_budget_and_wait_on_d
     cache.add_sequence(9)
     assert cache.reuse_prefix(9, list(range(0, 49))) == 48
     cache.close()
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_the_32k_models_geometry_is_exact_over_three_levels_with_its_auto_block_size(backend, tmp_path):
+    from flashmemory.config import EngineConfig
+    from tests.kvcache.synthetic import QWEN_GEOMETRY
+
+    block = EngineConfig(block_size="auto").resolve_block_size(32768)
+    assert block == 32
+    g = QWEN_GEOMETRY
+    cache = TieredKVCache(tiny_config(num_layers=g["layers"], num_kv_heads=g["kv_heads"], head_dim=g["dim"],
+                                      block_size=block, active_window=64, warm_tokens=64, kv_precision="fp16",
+                                      selection="exact", cold_zone_dir=str(tmp_path)))
+    if backend == "native" and cache.attention.name != "native":
+        pytest.skip("no C compiler: the native kernel cannot be built here")
+    cache.use_attention_backend(backend)  # 7 query heads per KV head
+    seq = SyntheticSequence(1, 300, seed=3, **g)
+    cache.add_sequence(1)
+    outputs = [seq.forward(cache, 0, 200)] + [seq.forward(cache, t, t + 1) for t in range(200, 300)]
+    assert (torch.cat(outputs, dim=1).double() - seq.reference(0, 300)).abs().max() <= 1e-4
+    assert cache.stats()["bytes_moved_L1->L2"] > 0
+    cache.close()
