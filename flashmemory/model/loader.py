@@ -16,9 +16,13 @@ from flashmemory.model.default_model import default_model_path
 from flashmemory.model.gguf_loader import GGUFCheckpoint
 from flashmemory.model.llama import LlamaModel
 from flashmemory.model.model_config import ModelConfig
+from flashmemory.model.registry import BY_HF_NAME
 from flashmemory.model.safetensors_loader import SafetensorsCheckpoint
 
 logger = logging.getLogger(__name__)
+
+# registry.Architecture.family -> the decoder class that builds it.
+DECODER_FAMILIES: dict[str, type[LlamaModel]] = {"llama": LlamaModel}
 
 
 @dataclass
@@ -66,6 +70,7 @@ def open_checkpoint(model_path: str | os.PathLike | None) -> Checkpoint:
 
 def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype) -> LlamaModel:
     """Instantiate our decoder and load the checkpoint's tensors into it (tqdm bar on a terminal)."""
-    model = LlamaModel(checkpoint.config, device=device, dtype=dtype)
+    decoder = DECODER_FAMILIES[BY_HF_NAME[checkpoint.config.architecture].family]
+    model = decoder(checkpoint.config, device=device, dtype=dtype)
     model.load_hf_state_dict(checkpoint.tensors, progress=sys.stderr.isatty())
     return model

@@ -6,15 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flashmemory.errors import UnsupportedModelError
+from flashmemory.model.registry import BY_GGUF_NAME, BY_HF_NAME
 
-# HF architecture name -> whether q/k/v projections carry a bias.
-SUPPORTED_ARCHITECTURES: dict[str, bool] = {
-    "LlamaForCausalLM": False,
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
-}
-# GGUF `general.architecture` -> HF architecture name. Mistral GGUFs are written as "llama".
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -86,11 +79,11 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in BY_HF_NAME), None)
         if arch is None:
             raise UnsupportedModelError(
                 f"architecture {archs or cfg.get('model_type')!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {', '.join(BY_HF_NAME)}"
             )
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias=true is not supported by the Llama-family runner")
@@ -115,7 +108,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=SUPPORTED_ARCHITECTURES[arch] or bool(cfg.get("attention_bias", False)),
+            qkv_bias=BY_HF_NAME[arch].qkv_bias or bool(cfg.get("attention_bias", False)),
             sliding_window_tokens=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None],
@@ -135,9 +128,9 @@ class ModelConfig:
         """Config from GGUF metadata; `num_token_strings` is the length of tokenizer.ggml.tokens (the reader
         skips its contents) and `embedding_rows` the embedding tensor's row count."""
         gguf_arch = meta.get("general.architecture")
-        if gguf_arch not in GGUF_ARCHITECTURES:
+        if gguf_arch not in BY_GGUF_NAME:
             raise UnsupportedModelError(
-                f"GGUF architecture {gguf_arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+                f"GGUF architecture {gguf_arch!r} is not supported; supported: {', '.join(BY_GGUF_NAME)}"
             )
         p = f"{gguf_arch}."
         hidden = int(meta[p + "embedding_length"])
@@ -150,7 +143,7 @@ class ModelConfig:
                 rope_scaling["original_max_position_embeddings"] = int(orig)
         eos = meta.get("tokenizer.ggml.eos_token_id")
         return cls(
-            architecture=GGUF_ARCHITECTURES[gguf_arch],
+            architecture=BY_GGUF_NAME[gguf_arch].hf_name,
             vocab_size=_gguf_vocab_size(meta, p, num_token_strings, embedding_rows),
             hidden_size=hidden,
             intermediate_size=int(meta[p + "feed_forward_length"]),
