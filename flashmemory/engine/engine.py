@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from flashmemory.config import EngineConfig
-from flashmemory.engine.budget_controller import BudgetController, BudgetRules, nvml_utilization
+from flashmemory.engine.budget_controller import BudgetController
+from flashmemory.engine.cache_factory import build_budget_controller, build_kv_cache, check_budgets, device_plan_for
 from flashmemory.engine.core import Delivery, EngineCore
 from flashmemory.engine.observer import StepObserver
 from flashmemory.engine.options import RequestOptions, is_batch, request_options
@@ -19,9 +20,7 @@ from flashmemory.engine.scheduling_policy import POLICIES, SchedulingPolicy
 from flashmemory.engine.scoring import ScoreResult, score_tokens
 from flashmemory.engine.stats import GenerationStats, peak_memory
 from flashmemory.errors import ConfigError, FlashMemoryError, PromptTooLongError
-from flashmemory.engine.sizing import DevicePlan, check_host_budget, plan_device, tiered_config
-from flashmemory.kvcache.contiguous import ContiguousKVCache
-from flashmemory.kvcache.device_budget import DeviceBudget
+from flashmemory.engine.sizing import DevicePlan
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
 from flashmemory.kvcache.tiered import TieredKVCache
 from flashmemory.model.loader import build_model, open_checkpoint
@@ -55,8 +54,9 @@ class FlashMemoryEngine:
             )
         self.max_seq_len = self.config.max_seq_len or model_limit
         # Before loading weights: a budget that cannot work fails fast.
-        self._check_host_budget(self.config)
-        self.device_plan = self._plan_device()
+        check_budgets(self.config)
+        self.device_plan: DevicePlan | None = device_plan_for(self.config, self.model_config, self.max_seq_len,
+                                                               self.dtype)
         self.model = build_model(checkpoint, self.device, self.dtype)
         if not self.config.rope_sharding:
             self.model.rotary.tabulate(self.max_seq_len)  # one table now instead of shards as positions come
@@ -66,7 +66,8 @@ class FlashMemoryEngine:
         self.last_kv_stats: dict[str, int | float] = {}
         self.last_token_ids: list[int] = []  # prompt + generated tokens of the last finished generation
         self._core: EngineCore | None = None
-        self.budget_controller = self._build_budget_controller()
+        self.budget_controller: BudgetController | None = build_budget_controller(
+            self.config, self.cache, self.device, self._refresh_capacity)
         self.load_seconds = time.perf_counter() - started
         logger.info(
             "loaded %s (%s, %d layers) on %s as %s in %.1f s",
@@ -75,36 +76,9 @@ class FlashMemoryEngine:
         )
 
     def _build_cache(self) -> KVCache:
-        cfg, mc = self.config, self.model_config
-        if cfg.kv_cache == "contiguous":
-            # The exact baseline: model dtype, or FP16 storage when kv_precision="fp16" is asked for.
-            kv_dtype = torch.float16 if cfg.kv_precision == "fp16" else self.dtype
-            return ContiguousKVCache(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, self.device,
-                                     self.max_seq_len, mc.sliding_window_tokens, cfg.max_num_seqs)
-        if mc.sliding_window_tokens is not None and mc.sliding_window_tokens < self.max_seq_len:
-            raise ConfigError(
-                f"this model uses sliding-window attention ({mc.sliding_window_tokens} tokens), which the tiered "
-                "KV cache does not implement yet; use kv_cache='contiguous'"
-            )
-        self.device_plan = self._plan_device()
-        assert self.device_plan is not None
-        block_size = cfg.resolve_block_size(self.max_seq_len)
-        tiered = tiered_config(cfg, mc, self.device_plan, block_size, self.device, f"{self.model_path}:{mc}")
-        return TieredKVCache(tiered)
-
-    @staticmethod
-    def _check_host_budget(config: EngineConfig) -> None:
-        """L1 against the free RAM, L2 against the free disk (the tiered cache only: the contiguous one uses neither)."""
-        if config.kv_cache == "tiered":
-            check_host_budget(config)
-
-    def _plan_device(self) -> DevicePlan | None:
-        """Split the device budget (weights, workspace, L0 KV); None for the contiguous cache."""
-        if self.config.kv_cache != "tiered":
-            return None
-        weights = self.model_config.num_parameters() * torch.empty((), dtype=self.dtype).element_size()
-        block_size = self.config.resolve_block_size(self.max_seq_len)
-        return plan_device(self.config, self.model_config, weights, self.dtype, block_size)
+        self.device_plan = device_plan_for(self.config, self.model_config, self.max_seq_len, self.dtype)
+        return build_kv_cache(self.config, self.model_config, self.device_plan, self.max_seq_len, self.device,
+                              self.dtype, f"{self.model_path}:{self.model_config}")
 
     # ---- the engine core ---------------------------------------------------------------------------------------
 
@@ -134,19 +108,6 @@ class FlashMemoryEngine:
             out = core.step()
         self.budget_controller.tick()
         return out
-
-    def _build_budget_controller(self) -> BudgetController | None:
-        """The DynamicBudgetController over this cache's L0 pool when budget_controller=True."""
-        if not self.config.budget_controller:
-            return None
-        if not isinstance(self.cache, TieredKVCache):
-            raise ConfigError("budget_controller=True moves the tiered cache's L0 budget: use kv_cache='tiered' or "
-                              "budget_controller=False")
-        utilization = nvml_utilization(self.device.index or 0) if self.device.type == "cuda" else None
-        source = "NVML GPU utilization" if utilization is not None else "engine thread busy fraction"
-        rules = BudgetRules(min_fraction=self.config.budget_controller_min_fraction)
-        return BudgetController(DeviceBudget(self.cache), rules, utilization=utilization,
-                                on_resize=self._refresh_capacity, source_name=source)
 
     def _refresh_capacity(self) -> None:
         """The L0 budget moved: the scheduler checks its steps against the new capacity from now on."""
@@ -269,11 +230,11 @@ class FlashMemoryEngine:
             raise ConfigError(f"unknown KV setting(s) {', '.join(unknown)}; valid: {', '.join(kv_names)}")
         defaults = EngineConfig()
         new_config = self.config.replace(**{**{n: getattr(defaults, n) for n in kv_names}, **knobs})
-        self._check_host_budget(new_config)
+        check_budgets(new_config)
         self.close()
         self.config = new_config
         self.cache = self._build_cache()
-        self.budget_controller = self._build_budget_controller()
+        self.budget_controller = build_budget_controller(self.config, self.cache, self.device, self._refresh_capacity)
 
     def clear_cache(self) -> None:
         """Free every sequence's KV on every level."""
