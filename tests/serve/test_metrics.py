@@ -145,3 +145,19 @@ def test_stats_line_reports_throughput_and_usage_and_stays_quiet_when_idle(caplo
     assert stats.maybe_log(0, 0, kv) is None
     clock.now = 45
     assert stats.maybe_log(0, 3, kv) is not None  # something waits: report it
+
+
+def test_a_conversation_s_next_turn_reuses_its_history_through_the_server(http):
+    # The tiny model has no chat template: a completion whose prompt grows turn by turn is the same path.
+    history = "You are a careful reader. " * 3 + "Q: who is Alice? A:"
+    first = http.post("/v1/completions", json={"prompt": history, "max_tokens": 6, "ignore_eos": True})
+    assert first.status_code == 200
+    before = scrape(http)
+    history += first.json()["choices"][0]["text"] + " Q: and the Rabbit? A:"
+    second = http.post("/v1/completions", json={"prompt": history, "max_tokens": 6, "ignore_eos": True})
+    assert second.status_code == 200
+    after = scrape(http)
+    hits = value(after[P + "prefix_cache_hits"]) - value(before[P + "prefix_cache_hits"])
+    queries = value(after[P + "prefix_cache_queries"]) - value(before[P + "prefix_cache_queries"])
+    assert queries == second.json()["usage"]["prompt_tokens"]
+    assert hits >= 32  # the first turn's full blocks were not prefilled again
