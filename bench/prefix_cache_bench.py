@@ -37,14 +37,16 @@ def _fm(args: argparse.Namespace) -> dict:
     doc_ids = _doc_ids(args)
     knobs = dict(num_threads=args.threads)
 
-    def ask(engine, question: str) -> float:
+    answers: dict[str, list[str]] = {"off": [], "on": []}
+
+    def ask(engine, question: str, mode: str = "on") -> float:
         ids = doc_ids + engine.tokenizer.encode(question, add_special_tokens=False)
-        engine.generate(ids, max_new_tokens=args.new_tokens, ignore_eos=True)
+        answers[mode].append(engine.generate(ids, max_new_tokens=args.new_tokens, ignore_eos=True))
         return engine.last_stats.time_to_first_token_s
 
-    out: dict = {"engine": "flashmemory"}
+    out: dict = {"engine": "flashmemory", "answers": answers}
     off = FlashMemoryEngine(args.model, prefix_caching=False, **knobs)
-    out["doc_off_ttft_s"] = [ask(off, q) for q in QUESTIONS[:2]]
+    out["doc_off_ttft_s"] = [ask(off, q, "off") for q in QUESTIONS]  # the third: the reference for the restart
     out["chat_off"] = _chat(off, args)
     off.close()
     on = FlashMemoryEngine(args.model, cold_zone_dir=str(folder), persist_cache=True, **knobs)
@@ -77,7 +79,7 @@ def _chat(engine, args: argparse.Namespace) -> dict:
         answer = engine.chat(history, max_new_tokens=args.new_tokens, ignore_eos=True)
         ttft.append(engine.last_stats.time_to_first_token_s)
         history.append({"role": "assistant", "content": answer})
-    return {"total_s": time.perf_counter() - started, "ttft_s": ttft}
+    return {"total_s": time.perf_counter() - started, "ttft_s": ttft, "answers": [m["content"] for m in history[2::2]]}
 
 
 def _llamacpp(args: argparse.Namespace) -> dict:
@@ -181,6 +183,10 @@ def _print(results: list[dict], args: argparse.Namespace) -> None:
             off, on = r["chat_off"]["total_s"], r["chat_on"]["total_s"]
             print(f"\n{r['engine']} 8-turn chat: {off:.1f} s recomputing vs {on:.1f} s with the prefix cache "
                   f"({on / off:.0%})")
+            same_chat = sum(a == b for a, b in zip(r["chat_off"]["answers"], r["chat_on"]["answers"]))
+            same_doc = sum(a == b for a, b in zip(r["answers"]["off"], r["answers"]["on"]))
+            print(f"same greedy text with the cache as without: chat turns {same_chat}/{len(TURNS)}, document "
+                  f"questions {same_doc}/{len(QUESTIONS)} (the third after the restart)")
 
 
 if __name__ == "__main__":

@@ -93,6 +93,11 @@ class EngineConfig:
         64.0, "host memory the prefix cache may keep for the FP16 copies of blocks no request uses; beyond it the "
         "least recently used leave L1 (written to L2 first when there is one); 0 = none stay in L1 (a quiet server "
         "then holds only its working set)", unit="MiB", ge=0)
+    prefix_cache_disk_mb: float = setting(
+        1024.0, "disk (cold zone) the prefix cache may keep for the INT2 copies of blocks no request uses; beyond it "
+        "the least recently used leave the cache and their slots are reused first, so the cold-zone file stays near "
+        "the working set plus this; with persist_cache, the size of the cache kept across restarts",
+        unit="MiB", ge=0)
     persist_cache: bool = setting(
         False, "keep the prefix cache across restarts: the L2 file and its index stay in cold_zone_dir (needed) and "
         "are recovered at the next start (another model, precision or block size: discarded); off, the cold zone is "

@@ -33,7 +33,7 @@ ENGINE_SAMPLES = {
     "prefill_chunk_tokens": 128, "selection": "exact", "max_num_seqs": 3, "record_traces": True,
     "prefetch_strategy": "adaptive", "prefetch_ranker": "lru", "prefetch_budget_mb": 32.0,
     "heat_predictor_path": "/tmp/h.npz", "cold_zone_uncached_reads": True, "device_staging_mb": 8.0,
-    "prefix_caching": False, "prefix_cache_host_mb": 16.0, "persist_cache": True, "attention_backend": "torch",
+    "prefix_caching": False, "prefix_cache_host_mb": 16.0, "prefix_cache_disk_mb": 256.0, "persist_cache": True, "attention_backend": "torch",
     "scheduling_policy": "fcfs", "budget_controller": True, "budget_controller_min_fraction": 0.75,
 }
 SERVER_SAMPLES = {

@@ -123,6 +123,7 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
         attention_backend=engine_cfg.attention_backend,
         prefix_caching=engine_cfg.prefix_caching,
         prefix_cache_host_bytes=int(engine_cfg.prefix_cache_host_mb * MIB),
+        prefix_cache_disk_bytes=int(engine_cfg.prefix_cache_disk_mb * MIB),
         persist_cache=engine_cfg.persist_cache,
     )
 

@@ -23,9 +23,11 @@ class Placement:
     """Owns the data moves between levels and the bytes-moved counters."""
 
     def __init__(self, policy: PlacementPolicy, blocks: BlockManager, levels: dict[Level, StorageLevel],
-                 codecs: dict[Level, Codec], cached_host_slots: int | None = None) -> None:
+                 codecs: dict[Level, Codec], cached_host_slots: int | None = None,
+                 cached_disk_slots: int | None = None) -> None:
         self.policy = policy
         self.cached_host_slots = cached_host_slots  # L1 slots unused cached blocks may keep (None = no limit)
+        self.cached_disk_slots = cached_disk_slots  # L2 slots they may keep (None = no limit but the file's size)
         self.blocks = blocks
         self.levels = levels
         self.codecs = codecs
@@ -92,17 +94,22 @@ class Placement:
         `keep_cached` is False (its KV is in doubt, e.g. after a corrupt cold block)."""
         for level, slot in self.blocks.free_sequence(seq_id, keep_cached):
             self.levels[level].free(slot)
-        self._trim_cached_host()
+        self._trim_cached()
 
-    def _trim_cached_host(self) -> None:
-        """Keep the L1 copies of unused cached blocks within their budget (the least recently used go to L2)."""
+    def _trim_cached(self) -> None:
+        """Keep the copies of unused cached blocks within their budgets: beyond the L1 budget the least recently
+        used go to L2, beyond the L2 budget they leave the cache (their slots are reused first, so the cold file
+        stays near the working set plus that budget)."""
         cache = self.blocks.prefix_cache
-        if cache is None or self.cached_host_slots is None:
+        if cache is None:
             return
-        excess = cache.unused_copies()[Level.HOST] - self.cached_host_slots
-        for _ in range(max(0, excess)):
-            if not self._evict_cached(Level.HOST):
-                break
+        for level, budget in ((Level.HOST, self.cached_host_slots), (Level.DISK, self.cached_disk_slots)):
+            if budget is None or level not in self.levels:
+                continue
+            excess = cache.unused_copies()[level] - budget
+            for _ in range(max(0, excess)):
+                if not self._evict_cached(level):
+                    break
 
     def demote_sequence(self, seq_id: int) -> int:
         """Drop every L0 copy of the sequence's blocks, pinned ones included (preemption under device pressure).

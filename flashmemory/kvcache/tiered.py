@@ -47,7 +47,9 @@ class TieredKVCache(KVCache):
         self.prefix_cache = PrefixCache(cfg.block_size, cfg.prefix_namespace()) if cfg.prefix_caching else None
         self.blocks = BlockManager({level: lvl.num_slots for level, lvl in self.levels.items()}, self.prefix_cache)
         self.placement = Placement(self.policy, self.blocks, self.levels, self.codecs,
-                                   cfg.prefix_cache_host_bytes // self.levels[Level.HOST].bytes_per_slot)
+                                   cfg.prefix_cache_host_bytes // self.levels[Level.HOST].bytes_per_slot,
+                                   cfg.prefix_cache_disk_bytes // self.levels[Level.DISK].bytes_per_slot
+                                   if Level.DISK in self.levels else None)
         # Objects told of every query-aware choice (trace recorder, prefetcher); none = no scoring overhead.
         self.choice_observers: list[ChoiceObserver] = []
         self.reader = BlockReader(cfg, self.blocks, self.levels, self.codecs, self.choice_observers)

@@ -151,6 +151,26 @@ def test_unused_cached_blocks_keep_host_memory_within_their_budget_and_wait_on_d
     cache.close()
 
 
+def test_unused_cached_blocks_keep_disk_within_their_budget_and_the_oldest_leave(tmp_path):
+    probe = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path / "probe")))
+    host_slot, disk_slot = probe.host_pool.bytes_per_slot, probe.disk_pool.bytes_per_slot
+    probe.close()
+    cache = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path), prefix_cache_host_bytes=0 * host_slot,
+                                      prefix_cache_disk_bytes=8 * disk_slot))
+    for i in range(5):  # 6 full blocks each: 30 in all, 8 may stay
+        cache.add_sequence(i)
+        _forward_with_tokens(SyntheticSequence(i, 48, seed=i), cache, list(range(1000 * i, 1000 * i + 48)), 0, 48)
+        cache.free_sequence(i)
+        stats = cache.stats()
+        assert stats["L1_cached_blocks"] == 0 and stats["L2_cached_blocks"] <= 8
+    assert stats["L2_cached_blocks"] == 8  # full: the least recently used went first
+    cache.add_sequence(9)
+    assert cache.reuse_prefix(9, list(range(4000, 4049))) == 48  # the newest document is still there
+    cache.add_sequence(10)
+    assert cache.reuse_prefix(10, list(range(0, 49))) == 0  # the oldest left the cache
+    cache.close()
+
+
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_the_32k_models_geometry_is_exact_over_three_levels_with_its_auto_block_size(backend, tmp_path):
     from flashmemory.config import EngineConfig
