@@ -23,6 +23,7 @@ class SequenceKV:
     pinned_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token ranges kept in L0
     token_ids: list[int] | None = field(default_factory=list)  # every committed token; None once one was not given
     last_block_name: int = 0  # chain hash of its last full block (prefix cache); 0 before the first
+    filling_decoded: bool = False  # the filling block holds a token whose KV an approximate decode step computed
 
     def record_digest(self, index: int, digest: torch.Tensor) -> None:
         """Keep block `index`'s digest [num_layers, num_kv_heads, 2 * head_dim], growing the store by doubling."""

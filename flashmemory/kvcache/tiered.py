@@ -45,6 +45,8 @@ class TieredKVCache(KVCache):
         self.codecs = level_codecs(cfg.kv_precision, cfg.block_size, cfg.head_dim)
         self.levels: dict[Level, StorageLevel] = build_levels(cfg, self.codecs)
         self.prefix_cache = PrefixCache(cfg.block_size, cfg.prefix_namespace()) if cfg.prefix_caching else None
+        # Decode reads differ from prefill's FP16 reads (a quantized window copy or query-aware selection).
+        self._approximate_decode = cfg.selection != "exact" or cfg.kv_precision != "fp16"
         self.blocks = BlockManager({level: lvl.num_slots for level, lvl in self.levels.items()}, self.prefix_cache)
         self.placement = Placement(self.policy, self.blocks, self.levels, self.codecs,
                                    cfg.prefix_cache_host_bytes // self.levels[Level.HOST].bytes_per_slot,
@@ -249,9 +251,17 @@ class TieredKVCache(KVCache):
         all_v = torch.cat((filling[1], new_v), dim=2)
         total = all_k.shape[2]
         full = total // bs
+        # KV a decode step computed under approximate reads (INT4 window, selection) differs from what a prefill
+        # of the same tokens computes (it reads FP16 copies): such blocks are not offered to the prefix cache, so a
+        # reused prefix is what a fresh prefill would have written.
+        decoded = s.num_new_tokens == 1 and self._approximate_decode
+        first_new = seq.num_filling
         for b in range(full):
-            self._write_block(s.seq_id, all_k[:, :, b * bs : (b + 1) * bs], all_v[:, :, b * bs : (b + 1) * bs])
+            tainted = (b == 0 and seq.filling_decoded) or (decoded and (b + 1) * bs > first_new)
+            self._write_block(s.seq_id, all_k[:, :, b * bs : (b + 1) * bs], all_v[:, :, b * bs : (b + 1) * bs],
+                              nameable=not tainted)
         rest = total - full * bs
+        seq.filling_decoded = rest > 0 and (decoded or (full == 0 and seq.filling_decoded))
         if rest:
             self.filling[seq.filling_row, 0, :, :, :rest] = all_k[:, :, full * bs :]
             self.filling[seq.filling_row, 1, :, :, :rest] = all_v[:, :, full * bs :]
@@ -259,25 +269,28 @@ class TieredKVCache(KVCache):
         seq.num_tokens += s.num_new_tokens
         self.placement.place(s.seq_id)
 
-    def _write_block(self, seq_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """A block just filled: k, v [num_layers, num_kv_heads, block_size, head_dim] in KV_DTYPE."""
+    def _write_block(self, seq_id: int, k: torch.Tensor, v: torch.Tensor, nameable: bool = True) -> None:
+        """A block just filled: k, v [num_layers, num_kv_heads, block_size, head_dim] in KV_DTYPE; `nameable`:
+        it may enter the prefix cache."""
         seq = self.seqs[seq_id]
         index = len(self.blocks.tables[seq_id].blocks)
         pinned = self.policy.is_pinned(index, seq.pinned_spans)
         self.placement.write_new_block(seq_id, k, v, pinned)
         # Digest for selection: per layer and KV head, the centre and radius of the block's key channels.
         seq.record_digest(index, key_digest(k))  # [L, heads, 2 * D]
-        self._name_block(seq, seq_id, index)
+        self._name_block(seq, seq_id, index, nameable)
 
-    def _name_block(self, seq: SequenceKV, seq_id: int, index: int) -> None:
-        """Enter a full block in the prefix cache under its chain name, when its tokens are known."""
+    def _name_block(self, seq: SequenceKV, seq_id: int, index: int, register: bool = True) -> None:
+        """Name a full block by its chain hash when its tokens are known, and (`register`) enter it in the prefix
+        cache under that name."""
         if self.prefix_cache is None or seq.token_ids is None:
             return
         bs = self.cfg.block_size
         tokens = tuple(seq.token_ids[index * bs : (index + 1) * bs])
         (name,) = chain_hashes(tokens, bs, self.prefix_cache.namespace, seq.last_block_name)
         seq.last_block_name = name
-        self.prefix_cache.register(self.blocks.tables[seq_id].blocks[index], name, tokens)
+        if register:
+            self.prefix_cache.register(self.blocks.tables[seq_id].blocks[index], name, tokens)
 
     # ---- reporting --------------------------------------------------------------------------------------------
 

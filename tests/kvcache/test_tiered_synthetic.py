@@ -151,6 +151,26 @@ def test_unused_cached_blocks_keep_host_memory_within_their_budget_and_wait_on_d
     cache.close()
 
 
+@pytest.mark.parametrize("precision", ["mixed", "fp16"])
+def test_blocks_holding_approximately_decoded_tokens_are_not_offered_for_reuse(precision, tmp_path):
+    # A decode step reads the INT4 window copy and selects blocks; a prefill reads FP16: the KV of a token decoded
+    # with mixed precision differs from the KV a prefill of the same tokens computes, so its block is not reused.
+    selection = "quest" if precision == "mixed" else "exact"
+    cache = TieredKVCache(tiny_config(kv_precision=precision, selection=selection, cold_zone_dir=str(tmp_path)))
+    tokens = list(range(100, 160))
+    seq = SyntheticSequence(1, 60, seed=3)
+    cache.add_sequence(1)
+    _forward_with_tokens(seq, cache, tokens, 0, 20)  # prefill: 2 full blocks and 4 tokens filling the third
+    for t in range(20, 60):  # decode: the third block mixes prefilled and decoded tokens
+        _forward_with_tokens(seq, cache, tokens, t, t + 1)
+    cache.free_sequence(1)
+    reusable = 60 // 8 if precision == "fp16" else 2  # exact decode: every full block; approximate: the prefilled
+    assert cache.stats()["prefix_cache_blocks"] == reusable
+    cache.add_sequence(2)
+    assert cache.reuse_prefix(2, tokens) == reusable * 8
+    cache.close()
+
+
 def test_unused_cached_blocks_keep_disk_within_their_budget_and_the_oldest_leave(tmp_path):
     probe = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path / "probe")))
     host_slot, disk_slot = probe.host_pool.bytes_per_slot, probe.disk_pool.bytes_per_slot
