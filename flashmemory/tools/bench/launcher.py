@@ -17,7 +17,8 @@ from flashmemory.tools.bench.worker import RESULT_PREFIX
 
 def worker_env(num_threads: int) -> dict[str, str]:
     """The environment of every worker: the same thread count for every engine's OpenMP pool, passive waiting
-    (spinning OpenMP threads lose 10x on a shared machine), and this very copy of the package on the path."""
+    for the torch engines (spinning OpenMP threads lose 10x on a shared machine), and this very copy of the package
+    on the path. llama.cpp workers get OpenMP's default wait policy instead (`engine_env`)."""
     package_root = str(Path(__file__).resolve().parents[3])  # the folder holding flashmemory/
     path = os.environ.get("PYTHONPATH", "")
     return {
@@ -28,6 +29,19 @@ def worker_env(num_threads: int) -> dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": package_root + (os.pathsep + path if path else ""),
     }
+
+
+def engine_env(env: dict[str, str], engine: str) -> dict[str, str]:
+    """The environment for one engine's worker: llama.cpp runs with OpenMP's default wait policy (passive waiting
+    turns each of ggml's per-node barriers into a sleep: its 2 threads then run slower than 1), unless
+    FLASHMEMORY_BENCH_LLAMACPP_OMP_WAIT_POLICY names one."""
+    if not engine.startswith("llamacpp"):
+        return env
+    out = {k: v for k, v in env.items() if k != "OMP_WAIT_POLICY"}
+    policy = os.environ.get("FLASHMEMORY_BENCH_LLAMACPP_OMP_WAIT_POLICY")
+    if policy:
+        out["OMP_WAIT_POLICY"] = policy
+    return out
 
 
 class WorkerLauncher:
@@ -45,7 +59,7 @@ class WorkerLauncher:
         limit = timeout_s if timeout_s is not None else self.timeout_s
         try:
             proc = subprocess.run([sys.executable, "-m", "flashmemory.tools.bench.worker", str(path)], capture_output=True,
-                                  text=True, env=self.env, timeout=limit)
+                                  text=True, env=engine_env(self.env, getattr(job, "engine", "")), timeout=limit)
         except subprocess.TimeoutExpired:
             return None, f"timed out after {limit:.0f} s"
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]

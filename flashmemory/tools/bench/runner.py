@@ -270,6 +270,7 @@ class Bench:
             "text": str(inputs.text_path),
             "text_tokens": len(inputs.token_ids),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+            "llamacpp_omp_wait_policy": os.environ.get("FLASHMEMORY_BENCH_LLAMACPP_OMP_WAIT_POLICY", "default"),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "python": platform.python_version(),

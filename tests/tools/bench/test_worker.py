@@ -34,3 +34,16 @@ def test_workers_wait_passively_with_the_thread_count_given(monkeypatch):
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["OMP_NUM_THREADS"] == "3"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # an explicit choice is respected
     assert worker_env(1)["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_llama_cpp_workers_get_openmps_default_wait_policy_unless_one_is_named(monkeypatch):
+    from flashmemory.tools.bench.launcher import engine_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("FLASHMEMORY_BENCH_LLAMACPP_OMP_WAIT_POLICY", raising=False)
+    env = worker_env(2)
+    assert engine_env(env, "fm-mixed")["OMP_WAIT_POLICY"] == "PASSIVE"
+    llama = engine_env(env, "llamacpp-f16")
+    assert "OMP_WAIT_POLICY" not in llama and llama["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setenv("FLASHMEMORY_BENCH_LLAMACPP_OMP_WAIT_POLICY", "PASSIVE")
+    assert engine_env(env, "llamacpp-q8_0")["OMP_WAIT_POLICY"] == "PASSIVE"
