@@ -9,6 +9,7 @@ observers. Read-ahead layers (an L2 prefetcher, an L1 device staging area) plug 
 from __future__ import annotations
 
 import math
+import time
 from typing import Protocol
 
 import torch
@@ -52,6 +53,8 @@ class BlockReader:
         self._per_head: dict[Level, PerHeadSource] = {}
         self.selected_blocks = {Level.HOST: 0, Level.DISK: 0}  # summed over decode steps and layers
         self.candidate_blocks = {Level.HOST: 0, Level.DISK: 0}
+        self.selection_steps = 0  # decode steps that chose among old blocks (counted by the cache, at layer 0)
+        self.selection_seconds = 0.0  # spent scoring and choosing, summed over steps, layers and levels
         self._devices = {level: (lvl.device if isinstance(lvl, TensorPool) else torch.device("cpu"))
                          for level, lvl in levels.items()}
 
@@ -101,6 +104,13 @@ class BlockReader:
 
     def choose(self, level: Level, plan: LevelPlan, q: torch.Tensor, layer: int) -> torch.Tensor:
         """Query-aware choice of a level's blocks for one decode step: [num_kv_heads, budget] positions."""
+        started = time.perf_counter()
+        try:
+            return self._choose(level, plan, q, layer)
+        finally:
+            self.selection_seconds += time.perf_counter() - started
+
+    def _choose(self, level: Level, plan: LevelPlan, q: torch.Tensor, layer: int) -> torch.Tensor:
         budget = self.budget(level, len(plan.indices))
         self.candidate_blocks[level] += len(plan.indices)
         self.selected_blocks[level] += budget
