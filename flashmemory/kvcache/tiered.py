@@ -201,11 +201,21 @@ class TieredKVCache(KVCache):
         seq.pending.append((new_k, new_v))
         filling = self.filling[seq.filling_row, :, layer, :, : seq.num_filling]  # [2, num_kv_heads, m, head_dim]
         decoding = s.num_new_tokens == 1
-        selecting = decoding and self.cfg.selection == "quest"
+        quest = self.cfg.selection == "quest"
+        selecting = decoding and quest
         if seq.plan is None:
-            seq.plan = self.reader.plan(s.seq_id, seq, decoding, with_digest=selecting)
+            seq.plan = self.reader.plan(s.seq_id, seq, decoding, with_digest=quest)
             if selecting and any(level != Level.DEVICE for level in seq.plan):
                 self.reader.selection_steps += 1
+            for level, plan in seq.plan.items():
+                plan.hints = seq.hints.get(level) if decoding else None
+            if not decoding:
+                seq.hints = {}  # a new prompt chunk: the hints come from its own last tokens
+        if quest and not decoding:
+            for level, plan in seq.plan.items():
+                hint = None if level == Level.DEVICE else self.reader.prompt_hints(plan, q, layer)
+                if hint is not None:
+                    seq.hints.setdefault(level, {})[layer] = hint
         reads = [LevelRead(level, plan, self.reader.choose(level, plan, q, layer)
                            if selecting and level != Level.DEVICE else None) for level, plan in seq.plan.items()]
         if decoding:
