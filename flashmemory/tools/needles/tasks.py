@@ -8,8 +8,8 @@ Tasks (after RULER, Hsieh et al. 2024; the sentences are our own):
 
 A trial is token ids ready to feed (chat template applied, the answer's first words already written as the
 assistant, so a small model answers in a few tokens) plus the strings a right answer contains. The target
-needle sits at `depth` of the haystack; other needles at seeded random depths. Haystacks are windows of the
-text at seeded random offsets, so every trial reads different prose.
+needle sits at `depth` of the haystack; other needles at seeded random depths. A haystack is a window of the
+text at a seeded random offset, one per length and seed (as RULER reuses its essays), so trials share prefixes.
 """
 
 from __future__ import annotations
@@ -164,10 +164,12 @@ class TrialBuilder:
         closing = enc("\n\n" + q.question + self.tail_text + q.answer_prefix)
         budget = (length_tokens - len(self.head_ids) - len(enc(INTRO[task])) - len(closing)
                   - sum(map(len, needle_ids)))
-        if budget < 16 or budget > len(self.text_ids):
+        if budget < 16 or length_tokens > len(self.text_ids):
             raise ConfigError(f"a {length_tokens}-token {task} trial needs 16 to {len(self.text_ids)} haystack "
                               f"tokens, got {budget}: use a longer text or another length")
-        start = rng.randint(0, len(self.text_ids) - budget)
+        # NOTE: one haystack per (length, seed), whatever the task and depth: trials then share the prompt up to
+        # their first needle, which the prefix cache computes once (about half of every prefill).
+        start = random.Random(f"haystack|{length_tokens}|{seed}").randint(0, len(self.text_ids) - length_tokens)
         body = self.text_ids[start : start + budget]
         order = sorted(range(len(q.needles)), key=lambda i: q.needles[i].depth)
         ids, spans, cursor = self.head_ids + enc(INTRO[task]), {}, 0

@@ -41,3 +41,46 @@ def test_a_short_history_reads_at_least_the_floor(tmp_path):
     assert reader.budget(Level.DISK, 100) == 15
     off = BlockReader(tiny_config(semantic_truncate_threshold=0.15, selection_min_tokens=0), None, {}, {}, [])
     assert off.budget(Level.DISK, 20) == 3
+
+
+class _Chosen:
+    """A choice observer keeping, per decode step and layer, the logical blocks each KV head read from L1."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[set[int]]] = []
+
+    def on_choose(self, choice) -> None:
+        self.rows.append([set(choice.indices[row].tolist()) for row in choice.chosen.cpu()])
+
+    def on_step_end(self, seq_id: int) -> None: ...
+
+    def on_step_abort(self, seq_id: int) -> None: ...
+
+
+def _decode_choices(prompt_tokens: int, planted: int) -> list[list[set[int]]]:
+    from flashmemory.kvcache.tiered import TieredKVCache
+    from tests.kvcache.synthetic import SyntheticSequence
+
+    cache = TieredKVCache(tiny_config(kv_precision="fp16", cold_zone_enabled=False, warm_budget_tokens=8,
+                                      selection_min_tokens=0, selection_prompt_tokens=prompt_tokens))
+    seq = SyntheticSequence(0, 90, seed=4)
+    group = seq.heads // seq.kv_heads
+    for layer in range(seq.layers):  # a key the prompt's last token asks for, of an ordinary size
+        seq.k[layer, planted] = seq.q[layer, 69].view(seq.kv_heads, group, -1)[:, 0] * 1.0
+    observer = _Chosen()
+    cache.choice_observers.append(observer)
+    cache.add_sequence(0)
+    seq.forward(cache, 0, 40)
+    seq.forward(cache, 40, 70)  # the last prefill chunk: its final queries set the hints
+    for t in range(70, 90):
+        seq.forward(cache, t, t + 1)
+    cache.close()
+    return observer.rows
+
+
+def test_decode_steps_read_the_block_the_prompt_asked_for():
+    planted_block = 20 // 8
+    hinted = _decode_choices(prompt_tokens=8, planted=20)
+    assert hinted and all(planted_block in head for heads in hinted for head in heads)  # every step, layer, head
+    plain = _decode_choices(prompt_tokens=0, planted=20)
+    assert not all(planted_block in head for heads in plain for head in heads)  # one block alone misses it
