@@ -205,6 +205,7 @@ def build_trials(builder: TrialBuilder, spec: SuiteSpec) -> Iterator[NeedleTrial
             raise ConfigError(f"unknown needle task {task!r}; choose from {', '.join(TASKS)}")
     for length in spec.lengths_tokens:
         for task in spec.tasks:
-            for depth in spec.depths:
+            # Deepest first: each trial then shares its haystack up to its own needle with the one before.
+            for depth in sorted(spec.depths, reverse=True):
                 for i in range(spec.trials_per_cell):
                     yield builder.build(task, length, depth, spec.seed * 1000 + i)
