@@ -20,11 +20,11 @@ def add_needle_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--needle-tasks", nargs="+", default=list(DEFAULTS.tasks), choices=TASKS, metavar="TASK",
                    help=f"tasks ({', '.join(TASKS)}; default: all)")
     g.add_argument("--needle-lengths", nargs="+", type=int, default=list(DEFAULTS.lengths_tokens),
-                   metavar="TOKENS", help="prompt lengths (default: 1024 2048 4096)")
+                   metavar="TOKENS", help="prompt lengths (default: 1024 1536)")
     g.add_argument("--needle-depths", nargs="+", type=float, default=list(DEFAULTS.depths), metavar="FRACTION",
-                   help="target needle depths, 0..1 (default: 7 from 0.05 to 0.95)")
+                   help="target needle depths, 0..1 (default: 0.1 to 0.9 by 0.1)")
     g.add_argument("--needle-trials-per-cell", type=int, default=DEFAULTS.trials_per_cell,
-                   help="seeded trials per task, length and depth (default 1: 126 trials in all)")
+                   help="seeded trials per task, length and depth (default 1: 108 trials in all)")
     g.add_argument("--needle-seed", type=int, default=DEFAULTS.seed, help="seed of placements and values")
     g.add_argument("--heatmaps-dir", default=None, help="write one length x depth PNG per config here")
 
@@ -45,15 +45,19 @@ def run_needles(args: argparse.Namespace, engine, text: str, text_path: Path,
         if done == total or done % 10 == 0:
             print(f"[{name}] {done}/{total} trials", file=sys.stderr, flush=True)
 
-    runs = run_suite(engine, trials, configs, progress)
+    meta = {"text": str(text_path), "tasks": list(spec.tasks), "lengths_tokens": list(spec.lengths_tokens),
+            "depths": list(spec.depths), "trials_per_cell": spec.trials_per_cell, "seed": spec.seed,
+            "num_trials": len(trials)}
+
+    def save(runs_so_far) -> None:
+        if args.json:
+            report.write_json(Path(args.json), report.to_json(runs_so_far, {
+                **meta, "table": report.format_table(runs_so_far)}))
+
+    runs = run_suite(engine, trials, configs, progress, on_config=save)
     print(report.format_table(runs))
     print()
     print(report.format_regressions(runs))
-    meta = {"text": str(text_path), "tasks": list(spec.tasks), "lengths_tokens": list(spec.lengths_tokens),
-            "depths": list(spec.depths), "trials_per_cell": spec.trials_per_cell, "seed": spec.seed,
-            "num_trials": len(trials), "table": report.format_table(runs)}
-    if args.json:
-        report.write_json(Path(args.json), report.to_json(runs, meta))
     if args.heatmaps_dir:
         for path in report.write_heatmaps(runs, Path(args.heatmaps_dir)):
             print(f"wrote {path}", file=sys.stderr)

@@ -189,8 +189,8 @@ class SuiteSpec:
     """Which trials a run makes: every task x length x depth, `trials_per_cell` seeds each."""
 
     tasks: Sequence[str] = TASKS
-    lengths_tokens: Sequence[int] = (1024, 2048, 4096)
-    depths: Sequence[float] = (0.05, 0.2, 0.35, 0.5, 0.65, 0.8, 0.95)
+    lengths_tokens: Sequence[int] = (1024, 1536)
+    depths: Sequence[float] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
     trials_per_cell: int = 1
     seed: int = 0
 
