@@ -29,11 +29,16 @@ def prompt_hints(q: torch.Tensor, digest: torch.Tensor, indices: torch.Tensor, k
 
 
 def boost_hints(scores: torch.Tensor, indices: torch.Tensor, hints: torch.Tensor) -> torch.Tensor:
-    """Scores [heads, n] with the hinted blocks raised above every other (their order among themselves kept).
+    """Scores [heads, n] with the hinted blocks raised above every other (to +inf).
 
-    indices: [n] logical indices of the scored blocks; hints: [heads, k] logical indices (some may be gone
-    from this level since, e.g. moved to L2: they are simply not found).
+    indices: [n] logical indices of the scored blocks, ascending; hints: [heads, k] logical indices (some may
+    be gone from this level since, e.g. moved to L2: they are simply not found).
     """
-    hinted = (indices.to(hints.device)[None, :, None] == hints[:, None, :]).any(dim=-1)  # [heads, n]
-    lift = (scores.max() - scores.min()).abs() + 1.0
-    return scores + hinted.to(scores.dtype) * lift
+    indices = indices.to(scores.device)
+    hints = hints.to(scores.device)
+    pos = torch.searchsorted(indices, hints).clamp_(max=indices.shape[0] - 1)  # [heads, k]
+    found = indices[pos] == hints
+    # A hint not on this level points at some other block: that block's own score goes back (the largest wins
+    # where two hints point at one block).
+    lifted = torch.where(found, torch.full_like(scores[:, :1], float("inf")), scores.gather(1, pos))
+    return scores.scatter_reduce(1, pos, lifted, reduce="amax")

@@ -84,3 +84,10 @@ def test_decode_steps_read_the_block_the_prompt_asked_for():
     assert hinted and all(planted_block in head for heads in hinted for head in heads)  # every step, layer, head
     plain = _decode_choices(prompt_tokens=0, planted=20)
     assert not all(planted_block in head for heads in plain for head in heads)  # one block alone misses it
+
+
+def test_a_hint_gone_from_the_level_next_to_a_hinted_last_block_keeps_it_hinted():
+    scores = torch.tensor([[3.0, 2.0, 1.0]])
+    indices = torch.tensor([4, 5, 6])
+    boosted = boost_hints(scores, indices, torch.tensor([[6, 9]]))  # 9 is past the end: it lands on 6 too
+    assert boosted[0, 2] == float("inf") and boosted[0, :2].tolist() == [3.0, 2.0]
