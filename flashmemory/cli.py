@@ -14,6 +14,7 @@ from flashmemory.config_args import add_engine_flags, add_flags, add_kv_flags, e
 from flashmemory.tools.bench.command import add_bench_command
 from flashmemory.tools.diagnose.command import add_diagnose_command
 from flashmemory.tools.doctor.command import add_doctor_command
+from flashmemory.tools.needles.command import add_needle_flags, run_needles
 from flashmemory.errors import FlashMemoryError
 from flashmemory.serve.args import add_serve_args
 
@@ -162,7 +163,7 @@ def format_kv_stats(stats: dict) -> str:
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
-        help="fidelity of KV configurations against the exact cache (perplexity, KL, top-1, passkey)",
+        help="fidelity of KV configurations against the exact cache (perplexity, KL, top-1, passkey; --needles: retrieval suite)",
         description="Score a long text with the exact FP16 contiguous cache and each configuration; print a "
         "table and optionally write JSON.",
     )
@@ -175,7 +176,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--passkey-depths", type=float, nargs="*", default=[0.1, 0.5, 0.9])
     p.add_argument("--passkey-tokens", type=int, default=1500)
     p.add_argument("--passkey-window", type=int, default=256, help="active_window/warm_tokens for the passkey runs")
+    p.add_argument("--text", dest="text_option", default=None, help="the long text (same as the positional)")
     p.add_argument("--json", default=None, help="write the full report here")
+    add_needle_flags(p)
     add_flags(p, EngineConfig, ("model_path", "dtype", "num_threads"), "engine")
     p.set_defaults(func=_run_eval)
 
@@ -186,7 +189,8 @@ def _run_eval(args: argparse.Namespace) -> int:
     from flashmemory.engine.engine import FlashMemoryEngine
     from flashmemory.tools.eval import DEFAULT_CONFIGS, default_text_path, parse_config, run_eval, write_json
 
-    path = Path(args.text) if args.text else default_text_path()
+    given = args.text_option or args.text
+    path = Path(given) if given else default_text_path()
     if path is None:
         raise FlashMemoryError("no text given and ../shared/data/alice29.txt not found: pass a long text file")
     try:
@@ -195,6 +199,11 @@ def _run_eval(args: argparse.Namespace) -> int:
         raise FlashMemoryError(f"cannot read {path}: {e.strerror}") from e
     configs = dict(parse_config(c) for c in args.config) if args.config else DEFAULT_CONFIGS
     engine = FlashMemoryEngine(**engine_kwargs(args), kv_cache="contiguous")
+    if args.needles:
+        try:
+            return run_needles(args, engine, text, path, dict(configs) if args.config else None)
+        finally:
+            engine.close()
     report = run_eval(engine, text, args.window_tokens, args.decode_tokens, configs, args.passkey_depths,
                       args.passkey_tokens, args.passkey_window, log=lambda m: print(m, file=sys.stderr))
     report["text"] = str(path)

@@ -50,6 +50,13 @@ class EngineConfig:
         0.15, "fraction of L2 blocks a decode step attends (query-aware)", unit="fraction", gt=0, le=1)
     warm_budget_tokens: int = setting(2048, "tokens of L1 blocks a decode step attends (query-aware)",
                                       unit="tokens", ge=1)
+    selection_min_tokens: int = setting(
+        256, "fewest tokens a decode step reads from each of L1 and L2 when it selects (a floor under "
+        "warm_budget_tokens and semantic_truncate_threshold; short histories otherwise read a few blocks)",
+        unit="tokens", ge=0)
+    selection_prompt_tokens: int = setting(
+        128, "per layer and KV head, tokens of L1 and of L2 blocks that the prompt's last tokens point to, read at "
+        "every decode step of the answer (within the budget; 0 = off)", unit="tokens", ge=0)
     cpu_memory_gb: float | None = setting(
         None, "L1 host pool capacity; None = 4 GiB, or half the available RAM when that is less (a value you set "
         "above the available RAM is refused at start-up)", unit="GiB", gt=0)

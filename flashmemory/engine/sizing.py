@@ -106,6 +106,8 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
         warm_tokens=engine_cfg.warm_tokens,
         semantic_truncate_threshold=float(engine_cfg.semantic_truncate_threshold),
         warm_budget_tokens=engine_cfg.warm_budget_tokens,
+        selection_min_tokens=engine_cfg.selection_min_tokens,
+        selection_prompt_tokens=engine_cfg.selection_prompt_tokens,
         selection=engine_cfg.selection,
         kv_precision=engine_cfg.kv_precision,
         max_num_seqs=engine_cfg.max_num_seqs,

@@ -24,6 +24,9 @@ class SequenceKV:
     token_ids: list[int] | None = field(default_factory=list)  # every committed token; None once one was not given
     last_block_name: int = 0  # chain hash of its last full block (prefix cache); 0 before the first
     filling_decoded: bool = False  # the filling block holds a token whose KV an approximate decode step computed
+    # Per level and layer, [num_kv_heads, k] logical indices of the old blocks the last prefill chunk's final
+    # queries score highest (the question of a prompt): decode steps always read them (read/hints.py).
+    hints: dict[Level, dict[int, torch.Tensor]] = field(default_factory=dict)
 
     def record_digest(self, index: int, digest: torch.Tensor) -> None:
         """Keep block `index`'s digest [num_layers, num_kv_heads, 2 * head_dim], growing the store by doubling."""

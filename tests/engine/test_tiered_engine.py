@@ -58,7 +58,7 @@ def test_fp16_exact_selection_equals_contiguous_on_smollm2(smollm2_path, alice_t
 
 def test_mixed_precision_with_selection_stays_close(tiny_llama, ids):
     tiered = FlashMemoryEngine(model_path=str(tiny_llama), semantic_truncate_threshold=0.5, warm_budget_tokens=8,
-                               **TINY_LEVELS)
+                               selection_min_tokens=0, **TINY_LEVELS)
     exact = FlashMemoryEngine(model_path=str(tiny_llama), kv_cache="contiguous")
     ours = torch.softmax(_teacher_forced_logits(tiered, ids, prefill=70), -1)
     reference = torch.softmax(_teacher_forced_logits(exact, ids, prefill=70), -1)

@@ -60,7 +60,8 @@ def test_quantized_levels_stay_close_and_selection_reads_a_fraction(tmp_path):
     errors, fractions = {}, {}
     for selection in ("exact", "quest"):
         cache = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path), semantic_truncate_threshold=0.5,
-                                          warm_budget_tokens=8, selection=selection))
+                                          warm_budget_tokens=8, selection_min_tokens=0,
+                                          selection=selection))
         seq = SyntheticSequence(0, 120, seed=2)
         cache.add_sequence(0)
         seq.forward(cache, 0, 70)

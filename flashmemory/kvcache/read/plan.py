@@ -22,6 +22,7 @@ class LevelPlan:
     position: int = 0  # the sequence's tokens before this forward (the decode step's clock)
     num_blocks: int = 0  # full blocks of the sequence
     index_tensor: torch.Tensor | None = None  # `indices` as a CPU int64 tensor (made once, for choice observers)
+    hints: dict[int, torch.Tensor] | None = None  # per layer, [num_kv_heads, k] logical blocks always chosen
 
 
 def primary_copy(block: BlockEntry) -> Level:

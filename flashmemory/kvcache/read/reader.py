@@ -9,6 +9,7 @@ observers. Read-ahead layers (an L2 prefetcher, an L1 device staging area) plug 
 from __future__ import annotations
 
 import math
+import time
 from typing import Protocol
 
 import torch
@@ -19,6 +20,7 @@ from flashmemory.kvcache.levels.tensor_pool import TensorPool
 from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
 from flashmemory.kvcache.quant import Codec, Parts
 from flashmemory.kvcache.read.choice import ChoiceObserver, LayerChoice
+from flashmemory.kvcache.read.hints import boost_hints, prompt_hints
 from flashmemory.kvcache.read.plan import LevelPlan, plan_reads, primary_copy
 from flashmemory.kvcache.read.selection import block_scores, select_blocks, top_blocks
 from flashmemory.kvcache.sequence_state import SequenceKV
@@ -52,6 +54,8 @@ class BlockReader:
         self._per_head: dict[Level, PerHeadSource] = {}
         self.selected_blocks = {Level.HOST: 0, Level.DISK: 0}  # summed over decode steps and layers
         self.candidate_blocks = {Level.HOST: 0, Level.DISK: 0}
+        self.selection_steps = 0  # decode steps that chose among old blocks (counted by the cache, at layer 0)
+        self.selection_seconds = 0.0  # spent scoring and choosing, summed over steps, layers and levels
         self._devices = {level: (lvl.device if isinstance(lvl, TensorPool) else torch.device("cpu"))
                          for level, lvl in levels.items()}
 
@@ -97,26 +101,44 @@ class BlockReader:
             wanted = self.cfg.warm_budget_tokens // self.cfg.block_size
         else:
             wanted = math.ceil(self.cfg.semantic_truncate_threshold * num_candidates)
-        return max(1, min(num_candidates, wanted))
+        # NOTE: 15 % of a 1,000-token L2 is 10 blocks; a needle ranked 12th by its box bound was lost that way.
+        floor = -(-self.cfg.selection_min_tokens // self.cfg.block_size)
+        return max(1, min(num_candidates, max(wanted, floor)))
 
     def choose(self, level: Level, plan: LevelPlan, q: torch.Tensor, layer: int) -> torch.Tensor:
         """Query-aware choice of a level's blocks for one decode step: [num_kv_heads, budget] positions."""
+        started = time.perf_counter()
+        try:
+            return self._choose(level, plan, q, layer)
+        finally:
+            self.selection_seconds += time.perf_counter() - started
+
+    def _choose(self, level: Level, plan: LevelPlan, q: torch.Tensor, layer: int) -> torch.Tensor:
         budget = self.budget(level, len(plan.indices))
         self.candidate_blocks[level] += len(plan.indices)
         self.selected_blocks[level] += budget
-        if not self.observers:
+        hints = plan.hints.get(layer) if plan.hints else None
+        if not self.observers and hints is None:
             return select_blocks(q[0], plan.digest[layer], budget)
         scores = block_scores(q[0], plan.digest[layer])  # [heads, n]: observers see the scores behind the choice
-        chosen = top_blocks(scores, budget)
+        chosen = top_blocks(scores if hints is None else boost_hints(scores, _index_tensor(plan), hints), budget)
+        if not self.observers:
+            return chosen
         heads = scores.shape[0]
-        if plan.index_tensor is None:
-            plan.index_tensor = torch.as_tensor(plan.indices, dtype=torch.int64)
         # Tensors stay where they are (on a GPU: no sync per layer); the observers move a whole step at once.
-        choice = LayerChoice(plan.seq_id, plan.position, layer, int(level), plan.index_tensor, scores, chosen,
+        choice = LayerChoice(plan.seq_id, plan.position, layer, int(level), _index_tensor(plan), scores, chosen,
                              q[0].float().reshape(heads, -1).mean(dim=1), plan.num_blocks, plan.slot_tensor)
         for observer in self.observers:
             observer.on_choose(choice)
         return chosen
+
+    def prompt_hints(self, plan: LevelPlan, q: torch.Tensor, layer: int) -> torch.Tensor | None:
+        """At a prefill chunk, the old blocks its last queries point to: [num_kv_heads, k] logical indices, k from
+        `selection_prompt_tokens` (None when off); see read/hints.py."""
+        k = self.cfg.selection_prompt_tokens // self.cfg.block_size
+        if k == 0 or plan.digest is None:
+            return None
+        return prompt_hints(q, plan.digest[layer], _index_tensor(plan), k)
 
     def gather(self, level: Level, plan: LevelPlan, chosen: torch.Tensor | None, layer: int, dtype: torch.dtype,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,3 +185,10 @@ class BlockReader:
         if source is not None:
             return source.read_layer(slots, layer, plan.seq_id, decoding)
         return self.levels[level].read_layer(slots, layer)
+
+
+def _index_tensor(plan: LevelPlan) -> torch.Tensor:
+    """The plan's logical block indices as a CPU int64 tensor, made once per forward."""
+    if plan.index_tensor is None:
+        plan.index_tensor = torch.as_tensor(plan.indices, dtype=torch.int64)
+    return plan.index_tensor

@@ -150,7 +150,8 @@ def test_prefetcher_rejects_an_unknown_strategy(pool):
 
 def test_engine_output_is_identical_with_prefetch_and_stats_move(tiny_llama):
     levels = dict(block_size=8, active_window=16, warm_tokens=16, prefill_chunk_tokens=32, cpu_memory_gb=0.01,
-                  cold_zone_gb=0.01, semantic_truncate_threshold=0.3, warm_budget_tokens=8)
+                  cold_zone_gb=0.01, semantic_truncate_threshold=0.3, warm_budget_tokens=8,
+                  selection_min_tokens=0)
     ids = torch.randint(3, 300, (100,), generator=torch.Generator().manual_seed(3)).tolist()
     outputs, stats = [], []
     for knobs in ({}, {"prefetch_strategy": "aggressive", "prefetch_ranker": "lru"},
@@ -174,7 +175,8 @@ def test_two_sequences_decoding_in_one_batch_prefetch_each_their_own_blocks(tiny
     from flashmemory.kvcache.interface import ForwardBatch
 
     levels = dict(block_size=8, active_window=16, warm_tokens=16, prefill_chunk_tokens=32, cpu_memory_gb=0.01,
-                  cold_zone_gb=0.01, semantic_truncate_threshold=0.3, warm_budget_tokens=8, max_num_seqs=2)
+                  cold_zone_gb=0.01, semantic_truncate_threshold=0.3, warm_budget_tokens=8, max_num_seqs=2,
+                  selection_min_tokens=0)
     gen = torch.Generator().manual_seed(8)
     prompts = {1: torch.randint(3, 300, (90,), generator=gen).tolist(),
                2: torch.randint(3, 300, (70,), generator=gen).tolist()}

@@ -1,0 +1,1 @@
+"""`flashmemory eval --needles`: RULER-style retrieval trials, their runner and report."""

@@ -1,0 +1,64 @@
+"""`flashmemory eval --needles`: its flags and what running it does (heavy imports deferred)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from flashmemory.tools.needles.tasks import TASKS, SuiteSpec
+
+DEFAULTS = SuiteSpec()
+
+
+def add_needle_flags(p: argparse.ArgumentParser) -> None:
+    """The needle suite's flags on `flashmemory eval`."""
+    g = p.add_argument_group("needle suite (--needles)")
+    g.add_argument("--needles", action="store_true", help="run the RULER-style retrieval suite instead of the "
+                   "perplexity comparison: each config against exact attention on the same trials")
+    g.add_argument("--needle-tasks", nargs="+", default=list(DEFAULTS.tasks), choices=TASKS, metavar="TASK",
+                   help=f"tasks ({', '.join(TASKS)}; default: all)")
+    g.add_argument("--needle-lengths", nargs="+", type=int, default=list(DEFAULTS.lengths_tokens),
+                   metavar="TOKENS", help="prompt lengths (default: 1024 1536)")
+    g.add_argument("--needle-depths", nargs="+", type=float, default=list(DEFAULTS.depths), metavar="FRACTION",
+                   help="target needle depths, 0..1 (default: 0.1 to 0.9 by 0.1)")
+    g.add_argument("--needle-trials-per-cell", type=int, default=DEFAULTS.trials_per_cell,
+                   help="seeded trials per task, length and depth (default 1: 108 trials in all)")
+    g.add_argument("--needle-seed", type=int, default=DEFAULTS.seed, help="seed of placements and values")
+    g.add_argument("--heatmaps-dir", default=None, help="write one length x depth PNG per config here")
+
+
+def run_needles(args: argparse.Namespace, engine, text: str, text_path: Path,
+                configs: dict[str, dict[str, Any]] | None) -> int:
+    """Build the trials, run them through exact attention and each config, print and write the report."""
+    from flashmemory.tools.needles import report
+    from flashmemory.tools.needles.runner import DEFAULT_CONFIGS, run_suite
+    from flashmemory.tools.needles.tasks import TrialBuilder, build_trials
+
+    spec = SuiteSpec(tuple(args.needle_tasks), tuple(args.needle_lengths), tuple(args.needle_depths),
+                     args.needle_trials_per_cell, args.needle_seed)
+    trials = list(build_trials(TrialBuilder(engine.tokenizer, text), spec))
+    configs = configs or DEFAULT_CONFIGS
+
+    def progress(name: str, done: int, total: int) -> None:
+        if done == total or done % 10 == 0:
+            print(f"[{name}] {done}/{total} trials", file=sys.stderr, flush=True)
+
+    meta = {"text": str(text_path), "tasks": list(spec.tasks), "lengths_tokens": list(spec.lengths_tokens),
+            "depths": list(spec.depths), "trials_per_cell": spec.trials_per_cell, "seed": spec.seed,
+            "num_trials": len(trials)}
+
+    def save(runs_so_far) -> None:
+        if args.json:
+            report.write_json(Path(args.json), report.to_json(runs_so_far, {
+                **meta, "table": report.format_table(runs_so_far)}))
+
+    runs = run_suite(engine, trials, configs, progress, on_config=save)
+    print(report.format_table(runs))
+    print()
+    print(report.format_regressions(runs))
+    if args.heatmaps_dir:
+        for path in report.write_heatmaps(runs, Path(args.heatmaps_dir)):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,211 @@
+"""RULER-style retrieval trials built from any long text: needles hidden in a haystack, one question at the end.
+
+Tasks (after RULER, Hsieh et al. 2024; the sentences are our own):
+  - number / word / uuid: one needle, "the special magic <kind> for KEY is VALUE", asked for KEY's value;
+  - multikey: NUM_KEYS needles with different keys, asked for one of them (the others distract);
+  - multivalue: NUM_VALUES needles with the same key, asked for all of its values;
+  - vartrack: a chain "VAR A = 12345", "VAR B = VAR A", ... asked for every variable holding the value.
+
+A trial is token ids ready to feed (chat template applied, the answer's first words already written as the
+assistant, so a small model answers in a few tokens) plus the strings a right answer contains. The target
+needle sits at `depth` of the haystack; other needles at seeded random depths. A haystack is a window of the
+text at a seeded random offset, one per length and seed (as RULER reuses its essays), so trials share prefixes.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from flashmemory.errors import ConfigError
+
+TASKS = ("number", "word", "uuid", "multikey", "multivalue", "vartrack")
+NUM_KEYS = 4  # needles of the multikey task (one asked for)
+NUM_VALUES = 3  # values of the multivalue task's key
+NUM_HOPS = 3  # variables in the vartrack chain
+# Keys and word values: plain, single-token-ish English words, so the needle is not the only odd text.
+WORDS = ("apple", "anchor", "badger", "banner", "candle", "canyon", "cobalt", "copper", "dolphin", "ember",
+         "falcon", "fern", "garnet", "glacier", "harbor", "hazel", "island", "ivory", "jasmine", "juniper",
+         "kettle", "lantern", "lemon", "marble", "meadow", "nickel", "orchid", "otter", "pepper", "pillow",
+         "quartz", "raven", "ribbon", "saddle", "salmon", "tulip", "timber", "velvet", "walnut", "willow",
+         "yarrow", "zephyr", "basket", "cactus", "dragon", "feather", "granite", "helmet", "igloo", "jigsaw")
+INTRO = {task: "Some special magic values are hidden in the following text. Memorize them: I will ask about one "
+         "of them afterwards.\n\n" for task in TASKS}
+INTRO["vartrack"] = ("Memorize and track the chain of variable assignments hidden in the following text: I will ask "
+                     "about them afterwards.\n\n")
+ANSWER_TOKENS = {"number": 12, "word": 10, "uuid": 32, "multikey": 12, "multivalue": 36, "vartrack": 20}
+
+
+@dataclass(frozen=True)
+class Needle:
+    """One sentence hidden in the haystack; `target` marks the one(s) the question is about."""
+
+    text: str
+    depth: float  # 0..1 of the haystack's tokens before it
+    target: bool
+
+
+@dataclass
+class NeedleTrial:
+    """One retrieval question over one haystack, ready to feed."""
+
+    task: str
+    length_tokens: int  # intended prompt length (haystack + needles + question)
+    depth: float  # where the target needle sits, 0..1
+    seed: int
+    token_ids: list[int]
+    expected: tuple[str, ...]  # every one must appear in the answer
+    max_new_tokens: int
+    # [start, end) token positions of the target needles, the one at `depth` first
+    target_spans: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        """Names the trial in reports: task, length, depth, seed."""
+        return f"{self.task}/{self.length_tokens}/{self.depth:g}/{self.seed}"
+
+
+@dataclass(frozen=True)
+class Question:
+    """A task's needles, its question and the strings a right answer holds."""
+
+    needles: list[Needle]
+    question: str
+    answer_prefix: str  # the assistant's first words, written for it
+    expected: tuple[str, ...]
+
+
+def _number(rng: random.Random) -> str:
+    return str(rng.randint(1_000_000, 9_999_999))
+
+
+def _single(task: str, rng: random.Random, depth: float) -> Question:
+    key = rng.choice(WORDS)
+    kind = {"number": "number", "word": "word", "uuid": "uuid"}[task]
+    if task == "number":
+        value = _number(rng)
+    elif task == "word":
+        value = rng.choice([w for w in WORDS if w != key])
+    else:
+        value = str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    needle = Needle(f" The special magic {kind} for {key} is: {value}. ", depth, True)
+    return Question([needle], f"What is the special magic {kind} for {key} mentioned in the provided text?",
+                    f"The special magic {kind} for {key} mentioned in the provided text is", (value,))
+
+
+def _multikey(rng: random.Random, depth: float) -> Question:
+    keys = rng.sample(WORDS, NUM_KEYS)
+    values = [_number(rng) for _ in keys]
+    needles = [Needle(f" The special magic number for {k} is: {v}. ", depth if i == 0 else rng.random(), i == 0)
+               for i, (k, v) in enumerate(zip(keys, values))]
+    return Question(needles, f"What is the special magic number for {keys[0]} mentioned in the provided text?",
+                    f"The special magic number for {keys[0]} mentioned in the provided text is", (values[0],))
+
+
+def _multivalue(rng: random.Random, depth: float) -> Question:
+    key = rng.choice(WORDS)
+    values = [_number(rng) for _ in range(NUM_VALUES)]
+    needles = [Needle(f" One of the special magic numbers for {key} is: {v}. ", depth if i == 0 else rng.random(),
+                      True) for i, v in enumerate(values)]
+    return Question(needles, f"What are all the special magic numbers for {key} mentioned in the provided text?",
+                    f"The special magic numbers for {key} mentioned in the provided text are", tuple(values))
+
+
+def _vartrack(rng: random.Random, depth: float) -> Question:
+    names = ["".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5)) for _ in range(NUM_HOPS)]
+    value = str(rng.randint(10000, 99999))
+    # The chain reads in order: the first assignment at `depth`, each later one after the one before.
+    depths = [depth]
+    for _ in range(NUM_HOPS - 1):
+        depths.append(depths[-1] + (1 - depths[-1]) * rng.random() * 0.5)
+    texts = [f" VAR {names[0]} = {value}. "] + [f" VAR {names[i]} = VAR {names[i - 1]}. " for i in range(1, NUM_HOPS)]
+    needles = [Needle(t, d, True) for t, d in zip(texts, depths)]
+    return Question(needles, f"Find all variables that are assigned the value {value} in the text above.",
+                    f"Answer: the variables assigned the value {value} are", tuple(names))
+
+
+def make_question(task: str, rng: random.Random, depth: float) -> Question:
+    if task in ("number", "word", "uuid"):
+        return _single(task, rng, depth)
+    if task == "multikey":
+        return _multikey(rng, depth)
+    if task == "multivalue":
+        return _multivalue(rng, depth)
+    if task == "vartrack":
+        return _vartrack(rng, depth)
+    raise ConfigError(f"unknown needle task {task!r}; choose from {', '.join(TASKS)}")
+
+
+class TrialBuilder:
+    """Builds trials from one text with one tokenizer (the text is tokenized once)."""
+
+    def __init__(self, tokenizer, text: str) -> None:
+        self.tokenizer = tokenizer
+        self.text_ids = tokenizer.encode(text, add_special_tokens=False)
+        self.head_ids, self.tail_text = self._template_parts()
+
+    def _template_parts(self) -> tuple[list[int], str]:
+        """Token ids before the user's text, and the text between it and the assistant's answer."""
+        if not self.tokenizer.has_chat_template:
+            return [], "\n"
+        marker = "\x00NEEDLE-CONTENT\x00"
+        full = self.tokenizer.hf.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                                     add_generation_prompt=True)
+        head, _, tail = full.partition(marker)
+        return self.tokenizer.encode(head, add_special_tokens=False), tail
+
+    def build(self, task: str, length_tokens: int, depth: float, seed: int) -> NeedleTrial:
+        rng = random.Random(f"{task}|{length_tokens}|{depth}|{seed}")
+        q = make_question(task, rng, depth)
+        enc = lambda s: self.tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+        needle_ids = [enc(n.text) for n in q.needles]
+        closing = enc("\n\n" + q.question + self.tail_text + q.answer_prefix)
+        budget = (length_tokens - len(self.head_ids) - len(enc(INTRO[task])) - len(closing)
+                  - sum(map(len, needle_ids)))
+        if budget < 16 or length_tokens > len(self.text_ids):
+            raise ConfigError(f"a {length_tokens}-token {task} trial needs 16 to {len(self.text_ids)} haystack "
+                              f"tokens, got {budget}: use a longer text or another length")
+        # NOTE: one haystack per (length, seed), whatever the task and depth: trials then share the prompt up to
+        # their first needle, which the prefix cache computes once (about half of every prefill).
+        start = random.Random(f"haystack|{length_tokens}|{seed}").randint(0, len(self.text_ids) - length_tokens)
+        body = self.text_ids[start : start + budget]
+        order = sorted(range(len(q.needles)), key=lambda i: q.needles[i].depth)
+        ids, spans, cursor = self.head_ids + enc(INTRO[task]), {}, 0
+        for i in order:
+            cut = max(cursor, int(budget * min(max(q.needles[i].depth, 0.0), 1.0)))
+            ids += body[cursor:cut]
+            cursor = cut
+            spans[i] = (len(ids), len(ids) + len(needle_ids[i]))
+            ids += needle_ids[i]
+        ids += body[cursor:] + closing
+        targets = [spans[i] for i, n in enumerate(q.needles) if n.target]  # the one at `depth` first
+        return NeedleTrial(task, length_tokens, depth, seed, ids, q.expected, ANSWER_TOKENS[task], targets)
+
+
+@dataclass(frozen=True)
+class SuiteSpec:
+    """Which trials a run makes: every task x length x depth, `trials_per_cell` seeds each."""
+
+    tasks: Sequence[str] = TASKS
+    lengths_tokens: Sequence[int] = (1024, 1536)
+    depths: Sequence[float] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    trials_per_cell: int = 1
+    seed: int = 0
+
+    @property
+    def num_trials(self) -> int:
+        return len(self.tasks) * len(self.lengths_tokens) * len(self.depths) * self.trials_per_cell
+
+
+def build_trials(builder: TrialBuilder, spec: SuiteSpec) -> Iterator[NeedleTrial]:
+    for task in spec.tasks:
+        if task not in TASKS:
+            raise ConfigError(f"unknown needle task {task!r}; choose from {', '.join(TASKS)}")
+    for length in spec.lengths_tokens:
+        for task in spec.tasks:
+            # Deepest first: each trial then shares its haystack up to its own needle with the one before.
+            for depth in sorted(spec.depths, reverse=True):
+                for i in range(spec.trials_per_cell):
+                    yield builder.build(task, length, depth, spec.seed * 1000 + i)
