@@ -24,7 +24,7 @@ from flashmemory.kvcache.contiguous import ContiguousKVCache
 from flashmemory.kvcache.device_budget import DeviceBudget
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
 from flashmemory.kvcache.tiered import TieredKVCache
-from flashmemory.model.loader import build_model, open_checkpoint
+from flashmemory.model.loader import build_model, open_checkpoint, weights_bytes
 from flashmemory.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -56,8 +56,11 @@ class FlashMemoryEngine:
         self.max_seq_len = self.config.max_seq_len or model_limit
         # Before loading weights: a budget that cannot work fails fast.
         self._check_host_budget(self.config)
+        # Weights as stored (block formats at their size): estimated before loading, then measured.
+        self.weights_bytes = weights_bytes(checkpoint, self.config.weights_dtype, self.dtype)
         self.device_plan = self._plan_device()
-        self.model = build_model(checkpoint, self.device, self.dtype)
+        self.model = build_model(checkpoint, self.device, self.dtype, self.config.weights_dtype)
+        self.weights_bytes = self.model.num_parameter_bytes()
         if not self.config.rope_sharding:
             self.model.rotary.tabulate(self.max_seq_len)  # one table now instead of shards as positions come
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint.path, checkpoint.config.eos_token_ids)
@@ -102,7 +105,7 @@ class FlashMemoryEngine:
         """Split the device budget (weights, workspace, L0 KV); None for the contiguous cache."""
         if self.config.kv_cache != "tiered":
             return None
-        weights = self.model_config.num_parameters() * torch.empty((), dtype=self.dtype).element_size()
+        weights = self.weights_bytes
         block_size = self.config.resolve_block_size(self.max_seq_len)
         return plan_device(self.config, self.model_config, weights, self.dtype, block_size)
 
@@ -282,7 +285,7 @@ class FlashMemoryEngine:
     def stats(self) -> dict[str, int | float]:
         """KV bytes and blocks per level, selected fractions, bytes moved between levels, load failures."""
         out = dict(self.cache.stats())
-        out["weights_bytes"] = self.model.num_parameter_bytes()
+        out["weights_bytes"] = self.weights_bytes
         if self.budget_controller is not None:
             out.update(self.budget_controller.stats())
         return out
