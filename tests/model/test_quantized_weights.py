@@ -122,6 +122,12 @@ def test_prefill_dequantizes_tiles_never_a_whole_float32_matrix(tmp_path):
     assert 0 < model.workspace.tile(1, 1).untyped_storage().nbytes() <= 4 * TILE_ELEMENTS
 
 
+def test_a_projection_of_no_rows_is_empty(tmp_path):
+    """A prefill chunk that wants no logits hands the LM head zero rows."""
+    model = build_model(_tiny_gguf(tmp_path, "Q8_0"), torch.device("cpu"), torch.float32, "auto")
+    assert model.lm_head(torch.empty(0, model.config.hidden_size)).shape == (0, model.config.vocab_size)
+
+
 def test_torch_fallback_gives_the_native_logits(tmp_path, monkeypatch):
     ckpt = _tiny_gguf(tmp_path, "Q4_1")
     native_model = build_model(ckpt, torch.device("cpu"), torch.float32, "auto")
