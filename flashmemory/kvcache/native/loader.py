@@ -11,7 +11,8 @@ from flashmemory.native_build import BASE_FLAGS, build_library
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("decode_attention.c", "heat_mlp.c", "access_stats.c"))
-FLAGS = (*BASE_FLAGS, "-fopenmp-simd")
+# -fopenmp: decode attention splits its blocks over torch's OpenMP threads (the same libgomp, loaded by torch first).
+FLAGS = (*BASE_FLAGS, "-fopenmp")
 MAX_BLOCK_TOKENS = 64  # FM_MAX_TOKENS in the C source
 MAX_HEAD_DIM = 256  # FM_MAX_DIM
 MAX_GROUP = 32  # FM_MAX_GROUP: query heads per KV head
@@ -29,7 +30,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.fm_attend_records.restype = ctypes.c_int
     lib.fm_attend_records.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, _I64, _I64,
-                                      _I64, _I64, _I64, _I64, _I64, _I64, _PTR]
+                                      _I64, _I64, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int]
     lib.fm_attend_dense.restype = ctypes.c_int
     lib.fm_attend_dense.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR]
     lib.fm_access_update.restype = ctypes.c_int
