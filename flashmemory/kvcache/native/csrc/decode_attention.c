@@ -181,8 +181,8 @@ static void merge_states(float *state, const float *other, int64_t rows, int64_t
 #define FM_MIN_BLOCKS_PER_THREAD 4 /* below this a second thread costs more than it saves */
 
 /* Fold n blocks per KV head (slots [H][n]) of one layer's pool storage into the state, the block range split over
- * num_threads OpenMP threads (each folds its share of every head into its own state; the states are merged by
- * log-sum-exp). Returns 0, or -1 when the shapes exceed the kernel's limits (the caller then uses its fallback). */
+ * num_threads OpenMP threads (each folds the chunks it takes, every head, into its own state; the states are merged
+ * by log-sum-exp). Returns 0, or -1 when the shapes exceed the kernel's limits (the caller then uses its fallback). */
 int fm_attend_records(const float *q, int64_t H, int64_t G, int64_t D, const uint8_t *storage, int64_t num_slots,
                       int64_t record_bytes, const int64_t *slots, int64_t n, int bits, int64_t bs, int64_t kgroup,
                       int64_t vgroup, int64_t codes_off, int64_t ks_off, int64_t kz_off, int64_t vs_off,
@@ -202,18 +202,26 @@ int fm_attend_records(const float *q, int64_t H, int64_t G, int64_t D, const uin
     const int64_t size = H * G * (D + 2);
     for (int64_t e = 0; e < (threads - 1) * size; e++)
         partial[e] = (e % (D + 2) == D) ? -FLT_MAX : 0.0f; /* acc = 0, m = -FLT_MAX, l = 0 */
+    /* Chunks of FM_MIN_BLOCKS_PER_THREAD blocks, taken dynamically (a thread that loses its core on a shared
+     * machine leaves its chunks to the others); each thread folds what it takes into its own state. */
+    const int64_t num_chunks = (n + FM_MIN_BLOCKS_PER_THREAD - 1) / FM_MIN_BLOCKS_PER_THREAD;
     int used = 1;
 #pragma omp parallel num_threads(threads)
     {
 #ifdef _OPENMP
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int t = omp_get_thread_num();
+        if (t == 0) used = omp_get_num_threads();
 #else
-        const int t = 0, nt = 1;
+        const int t = 0;
 #endif
-        if (t == 0) used = nt;
         float *mine = t == 0 ? state : partial + (t - 1) * size;
-        fold_records(q, H, G, D, storage, num_slots, record_bytes, slots, n, n * t / nt, n * (t + 1) / nt, bits, bs,
-                     kgroup, vgroup, codes_off, ks_off, kz_off, vs_off, vz_off, mine);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < num_chunks; c++) {
+            const int64_t i0 = c * FM_MIN_BLOCKS_PER_THREAD;
+            const int64_t i1 = i0 + FM_MIN_BLOCKS_PER_THREAD < n ? i0 + FM_MIN_BLOCKS_PER_THREAD : n;
+            fold_records(q, H, G, D, storage, num_slots, record_bytes, slots, n, i0, i1, bits, bs, kgroup, vgroup,
+                         codes_off, ks_off, kz_off, vs_off, vz_off, mine);
+        }
     }
     for (int t = 1; t < used; t++) merge_states(state, partial + (t - 1) * size, H * G, D);
     free(partial);
