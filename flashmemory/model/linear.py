@@ -65,9 +65,21 @@ class QuantizedLinear(nn.Module):
         self.workspace = workspace
         self.out_features = sum(p.shape[0] for p in self.parts)
         _register(self, self.parts)
+        # The decode path's GEMV calls, argument tuples prepared once: (type id, blocks, rows, cols, row bytes,
+        # first output column); None when a part is dense or the kernels are absent.
+        self._calls: list[tuple[int, int, int, int, int, int]] | None = None
+        if workspace.native is not None and all(isinstance(p, QuantizedTensor) for p in self.parts):
+            self._calls, start = [], 0
+            for p in self.parts:
+                self._calls.append((quant_kernels.TYPE_IDS[p.type_name], p.blocks.data_ptr(), p.rows, p.cols,
+                                    p.blocks.shape[1], start))
+                start += p.rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
+        if self._calls is not None and x.dim() == 2 and 0 < x.shape[0] <= quant_kernels.MAX_X_ROWS \
+                and x.dtype == torch.float32:
+            return self._decode(x.contiguous())
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
         x32 = x.float().contiguous()
@@ -80,6 +92,19 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype).reshape(*lead, self.out_features)
+
+    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+        """The few-rows path with nothing between the caller and the kernel but one call per part."""
+        out = torch.empty(x.shape[0], self.out_features)
+        fm_qgemv, threads = self.workspace.native.fm_qgemv, torch.get_num_threads()
+        x_ptr, num_x, x_stride, out_ptr = x.data_ptr(), x.shape[0], x.stride(0), out.data_ptr()
+        for type_id, blocks, rows, cols, row_bytes, start in self._calls:
+            if fm_qgemv(type_id, blocks, rows, cols, row_bytes, x_ptr, num_x, x_stride, out_ptr + 4 * start,
+                        self.out_features, threads) != 0:
+                raise ValueError(f"fm_qgemv refused a weight of {rows} x {cols} (type {type_id})")
+        if self.bias is not None:
+            out += self.bias
+        return out
 
     def _project(self, part: Part, x: torch.Tensor, out: torch.Tensor) -> None:
         if not isinstance(part, QuantizedTensor):

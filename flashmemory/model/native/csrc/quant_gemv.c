@@ -182,41 +182,65 @@ static inline __m256 block_dot(__m256 c0, __m256 c1, __m256 c2, __m256 c3, const
     return _mm256_fmadd_ps(c3, _mm256_loadu_ps(x + 24), s);
 }
 
-static float dot_q4_1(const uint8_t *w, int64_t nb, const float *x, const float *xsum) {
+/* Each dot keeps two accumulators (even and odd blocks): one chain of multiply-adds per block would bound the
+ * loop by the FMA latency rather than its throughput. */
+static inline __m256 q4_1_block(const uint8_t *w, const float *x) {
     const __m128i low4 = _mm_set1_epi8(0x0F);
-    __m256 acc = _mm256_setzero_ps();
-    float bias = 0.0f;
-    for (int64_t i = 0; i < nb; i++, w += 20, x += 32) {
-        const __m128i q = _mm_loadu_si128((const __m128i *)(w + 4));
-        const __m128i lo = _mm_and_si128(q, low4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
-        const __m256 s = block_dot(widen_u8(lo), widen_u8(high8(lo)), widen_u8(hi), widen_u8(high8(hi)), x);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), s, acc);
-        bias += half_at(w + 2) * xsum[i];
+    const __m128i q = _mm_loadu_si128((const __m128i *)(w + 4));
+    const __m128i lo = _mm_and_si128(q, low4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+    return block_dot(widen_u8(lo), widen_u8(high8(lo)), widen_u8(hi), widen_u8(high8(hi)), x);
+}
+
+static float dot_q4_1(const uint8_t *w, int64_t nb, const float *x, const float *xsum) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float bias0 = 0.0f, bias1 = 0.0f;
+    int64_t i = 0;
+    for (; i + 1 < nb; i += 2, w += 40, x += 64) {
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q4_1_block(w, x), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w + 20)), q4_1_block(w + 20, x + 32), acc1);
+        bias0 += half_at(w + 2) * xsum[i];
+        bias1 += half_at(w + 22) * xsum[i + 1];
     }
-    return hsum256(acc) + bias;
+    if (i < nb) {
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q4_1_block(w, x), acc0);
+        bias0 += half_at(w + 2) * xsum[i];
+    }
+    return hsum256(_mm256_add_ps(acc0, acc1)) + (bias0 + bias1);
+}
+
+static inline __m256 q4_0_block(const uint8_t *w, const float *x) {
+    const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    const __m128i q = _mm_loadu_si128((const __m128i *)(w + 2));
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, low4), eight);
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), low4), eight);
+    return block_dot(widen_s8(lo), widen_s8(high8(lo)), widen_s8(hi), widen_s8(high8(hi)), x);
 }
 
 static float dot_q4_0(const uint8_t *w, int64_t nb, const float *x) {
-    const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++, w += 18, x += 32) {
-        const __m128i q = _mm_loadu_si128((const __m128i *)(w + 2));
-        const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, low4), eight);
-        const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), low4), eight);
-        const __m256 s = block_dot(widen_s8(lo), widen_s8(high8(lo)), widen_s8(hi), widen_s8(high8(hi)), x);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), s, acc);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 1 < nb; i += 2, w += 36, x += 64) {
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q4_0_block(w, x), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w + 18)), q4_0_block(w + 18, x + 32), acc1);
     }
-    return hsum256(acc);
+    if (i < nb) acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q4_0_block(w, x), acc0);
+    return hsum256(_mm256_add_ps(acc0, acc1));
+}
+
+static inline __m256 q8_0_block(const uint8_t *w, const float *x) {
+    const __m128i a = _mm_loadu_si128((const __m128i *)(w + 2)), b = _mm_loadu_si128((const __m128i *)(w + 18));
+    return block_dot(widen_s8(a), widen_s8(high8(a)), widen_s8(b), widen_s8(high8(b)), x);
 }
 
 static float dot_q8_0(const uint8_t *w, int64_t nb, const float *x) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++, w += 34, x += 32) {
-        const __m128i a = _mm_loadu_si128((const __m128i *)(w + 2)), b = _mm_loadu_si128((const __m128i *)(w + 18));
-        const __m256 s = block_dot(widen_s8(a), widen_s8(high8(a)), widen_s8(b), widen_s8(high8(b)), x);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), s, acc);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 1 < nb; i += 2, w += 68, x += 64) {
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q8_0_block(w, x), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w + 34)), q8_0_block(w + 34, x + 32), acc1);
     }
-    return hsum256(acc);
+    if (i < nb) acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q8_0_block(w, x), acc0);
+    return hsum256(_mm256_add_ps(acc0, acc1));
 }
 #else
 /* Portable: the same sums, one weight at a time. */
