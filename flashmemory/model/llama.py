@@ -13,6 +13,7 @@ from flashmemory.errors import CorruptWeightsError
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
 from flashmemory.model.linear import DenseLinear, DequantWorkspace, QuantizedEmbedding, QuantizedLinear
 from flashmemory.model.model_config import ModelConfig
+from flashmemory.model.native import step_ops
 from flashmemory.model.quantized import QuantizedTensor
 from flashmemory.model.rope import RotaryEmbedding
 
@@ -26,6 +27,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = step_ops.rms_norm(x, self.weight, self.eps)  # one pass instead of eight ops (float32 CPU)
+        if fused is not None:
+            return fused
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -55,8 +59,10 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)  # keys are cached after RoPE
+        # keys are cached after RoPE; the fused kernel rotates q and k in place (their rows are fresh)
+        if not step_ops.rope_(q, k, cos, sin):
+            q = RotaryEmbedding.apply(q, cos, sin)
+            k = RotaryEmbedding.apply(k, cos, sin)
         out = cache.attend(self.layer_idx, batch, q, k, v)  # [T, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -74,8 +80,12 @@ class MLP(nn.Module):
         self.down_proj = DenseLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        hidden = step_ops.swiglu(gate_up)  # fused on float32 CPU rows
+        if hidden is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            hidden = F.silu(gate) * up
+        return self.down_proj(hidden)
 
 
 class DecoderLayer(nn.Module):

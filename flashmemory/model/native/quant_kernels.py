@@ -1,4 +1,5 @@
-"""ctypes binding of csrc/quant_gemv.c: the decode GEMV over quantized weight rows and row dequantization."""
+"""ctypes binding of the model's native library: csrc/quant_gemv.c (the decode GEMV over quantized weight rows, row
+dequantization) and csrc/step_ops.c (fused RMSNorm, RoPE and SwiGLU, used by step_ops.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from flashmemory.native_build import BASE_FLAGS, build_library
 
-SOURCES = (Path(__file__).with_name("csrc") / "quant_gemv.c",)
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("quant_gemv.c", "step_ops.c"))
 # -fopenmp: the output rows are split over torch's OpenMP threads (the same libgomp, loaded by torch first).
 FLAGS = (*BASE_FLAGS, "-fopenmp")
 MAX_X_ROWS = 8  # FM_MAX_X: rows of x one GEMV call takes
@@ -22,13 +23,19 @@ _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 @cache
 def library() -> ctypes.CDLL | None:
-    lib = build_library("flashmemory_quant", SOURCES, FLAGS, "quantized weights")
+    lib = build_library("flashmemory_model", SOURCES, FLAGS, "quantized weights and the fused step operations")
     if lib is None:
         return None
     lib.fm_qgemv.restype = _INT
     lib.fm_qgemv.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT]
     lib.fm_dequant_rows.restype = _INT
     lib.fm_dequant_rows.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _INT]
+    lib.fm_rmsnorm.restype = None
+    lib.fm_rmsnorm.argtypes = [_PTR, _I64, _PTR, _I64, _I64, ctypes.c_float, _PTR]
+    lib.fm_rope.restype = None
+    lib.fm_rope.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]
+    lib.fm_swiglu.restype = None
+    lib.fm_swiglu.argtypes = [_PTR, _I64, _I64, _PTR]
     return lib
 
 
