@@ -6,7 +6,7 @@ Timers wrap functions at call time (torch.nn.functional.linear, QuantizedLinear.
 tiered cache's reader.choose / reader.plan and attention.decode), so the script runs unchanged on older
 checkouts (PYTHONPATH=that checkout) for a before/after comparison.
 
-    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. .venv/bin/python bench/step_profile.py --context 8192 --threads 2
+    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. .venv/bin/python bench/step_profile.py --context 8100 --threads 2
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class Timers:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
+    p.add_argument("--text", type=Path, default=None, help="long text (default: ../shared/data/alice29.txt)")
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--threads", type=int, default=2)
@@ -53,10 +54,10 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     settings = dict(s.split("=", 1) for s in args.setting)
-    engine = FlashMemoryEngine(model_path=args.model, num_threads=args.threads,
-                               max_seq_len=args.context + args.steps + 16, **settings)
+    engine = FlashMemoryEngine(model_path=args.model, num_threads=args.threads, **settings)
     tokenizer = Tokenizer.from_checkpoint(engine.model_path, engine.model_config.eos_token_ids)
-    ids = tokenizer.encode(Path(default_text_path()).read_text(errors="replace"), add_special_tokens=False)
+    text = args.text or default_text_path()
+    ids = tokenizer.encode(Path(text).read_text(errors="replace"), add_special_tokens=False)
     while len(ids) < args.context + args.steps:
         ids += ids
     timers = Timers()

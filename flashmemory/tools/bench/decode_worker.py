@@ -10,18 +10,14 @@ The llama.cpp worker never imports torch, so its peak RSS is llama.cpp's own (pl
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from flashmemory.tools.bench.rss import peak_rss_bytes
+
 REPLY_PREFIX = "DECODE-REPLY "  # marks our lines among anything a library prints to stdout
-
-
-def peak_rss_bytes() -> int:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
 
 
 class LlamaCppStepper:

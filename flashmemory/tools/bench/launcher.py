@@ -11,18 +11,23 @@ from itertools import count
 from pathlib import Path
 from typing import Any
 
+from flashmemory.tools.bench.engines import LLAMA_CPP
 from flashmemory.tools.bench.jobs import FidelityJob, SpeedJob, write_job
 from flashmemory.tools.bench.worker import RESULT_PREFIX
 
 
-def worker_env(num_threads: int) -> dict[str, str]:
-    """The environment of every worker: the same thread count for every engine's OpenMP pool, passive waiting
-    (spinning OpenMP threads lose 10x on a shared machine), and this very copy of the package on the path."""
+def worker_env(num_threads: int, family: str = "") -> dict[str, str]:
+    """The environment of a worker: the same thread count for every engine's OpenMP pool, this very copy of the
+    package on the path, and each engine's best wait policy: passive for the torch engines (their spinning
+    OpenMP threads lose 10x on a shared machine), OpenMP's default for llama.cpp (passive turns each of ggml's
+    per-node barriers into a sleep: its 2 threads then run slower than 1)."""
     package_root = str(Path(__file__).resolve().parents[3])  # the folder holding flashmemory/
     path = os.environ.get("PYTHONPATH", "")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if family != LLAMA_CPP:
+        env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     return {
-        **os.environ,
-        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+        **env,
         "OMP_NUM_THREADS": str(num_threads),
         "MKL_NUM_THREADS": str(num_threads),
         "TOKENIZERS_PARALLELISM": "false",
@@ -35,7 +40,7 @@ class WorkerLauncher:
 
     def __init__(self, run_dir: Path, num_threads: int, timeout_s: float | None) -> None:
         self.run_dir = run_dir
-        self.env = worker_env(num_threads)
+        self.num_threads = num_threads
         self.timeout_s = timeout_s
         self._job_ids = count()
 
@@ -45,7 +50,7 @@ class WorkerLauncher:
         limit = timeout_s if timeout_s is not None else self.timeout_s
         try:
             proc = subprocess.run([sys.executable, "-m", "flashmemory.tools.bench.worker", str(path)], capture_output=True,
-                                  text=True, env=self.env, timeout=limit)
+                                  text=True, env=worker_env(self.num_threads, job.family), timeout=limit)
         except subprocess.TimeoutExpired:
             return None, f"timed out after {limit:.0f} s"
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]

@@ -269,7 +269,7 @@ class Bench:
             "budget_bytes": self.budget_bytes,
             "text": str(inputs.text_path),
             "text_tokens": len(inputs.token_ids),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "PASSIVE") + " (llama.cpp: OpenMP default)",
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "python": platform.python_version(),

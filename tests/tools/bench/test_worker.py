@@ -34,3 +34,23 @@ def test_workers_wait_passively_with_the_thread_count_given(monkeypatch):
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["OMP_NUM_THREADS"] == "3"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # an explicit choice is respected
     assert worker_env(1)["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_llama_cpp_workers_keep_openmps_default_wait_policy(monkeypatch):
+    """PASSIVE turns each of ggml's per-node barriers into a sleep; llama.cpp runs best with OpenMP's default."""
+    from flashmemory.tools.bench.engines import LLAMA_CPP
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    env = worker_env(2, LLAMA_CPP)
+    assert "OMP_WAIT_POLICY" not in env and env["OMP_NUM_THREADS"] == "2"
+
+
+def test_the_llama_cpp_worker_does_not_load_torch():
+    """Its peak RSS must be llama.cpp's own: importing the worker's modules leaves torch out of the process."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flashmemory.tools.bench.worker, flashmemory.tools.bench.llamacpp_worker, "
+            "flashmemory.tools.bench.decode_worker; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
