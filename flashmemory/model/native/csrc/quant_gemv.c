@@ -15,7 +15,7 @@
  *
  * The dequantized weights are exactly the float32 values the torch reference (gguf_dequant.py, gguf.quants)
  * produces; the GEMV only reorders the sums (float summation error against a float32 GEMV).
- * The one-row dot products of Q4_0 / Q4_1 / Q8_0 use AVX2 + FMA + F16C intrinsics where the compiler targets
+ * The one-row dot products of Q4_0 / Q4_1 / Q5_0 / Q8_0 use AVX2 + FMA + F16C intrinsics where the compiler targets
  * them, portable C elsewhere; the other paths are GCC vector extensions (AVX2 under -march=native, scalar
  * code elsewhere).
  */
@@ -124,16 +124,19 @@ static void deq_q6_k(const uint8_t *b, float *y) {
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = half_to_float(b + 208);
     for (int half = 0; half < 2; half++) {
-        for (int l = 0; l < 32; l++) {
-            const int is = l / 16;
-            const int q1 = ((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32;
-            const int q2 = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32;
-            const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-            const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-            y[l] = d * (float)sc[is] * (float)q1;
-            y[l + 32] = d * (float)sc[is + 2] * (float)q2;
-            y[l + 64] = d * (float)sc[is + 4] * (float)q3;
-            y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+        for (int run = 0; run < 2; run++) { /* 16 weights of each quarter share one scale */
+            const float s1 = d * (float)sc[run], s2 = d * (float)sc[run + 2], s3 = d * (float)sc[run + 4],
+                        s4 = d * (float)sc[run + 6];
+            for (int l = 16 * run; l < 16 * run + 16; l++) {
+                const int q1 = ((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                const int q2 = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                y[l] = s1 * (float)q1;
+                y[l + 32] = s2 * (float)q2;
+                y[l + 64] = s3 * (float)q3;
+                y[l + 96] = s4 * (float)q4;
+            }
         }
         y += 128;
         ql += 64;
@@ -242,6 +245,34 @@ static float dot_q8_0(const uint8_t *w, int64_t nb, const float *x) {
     if (i < nb) acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q8_0_block(w, x), acc0);
     return hsum256(_mm256_add_ps(acc0, acc1));
 }
+/* Q5_0: the fifth bits (bit j of the 32-bit word: weight j) spread to bytes by a shuffle and a bit test. */
+static inline __m256 q5_0_block(const uint8_t *w, const float *x) {
+    const __m128i low4 = _mm_set1_epi8(0x0F), sixteen = _mm_set1_epi8(16);
+    const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    uint32_t qh;
+    memcpy(&qh, w + 2, 4);
+    const __m128i h = _mm_set1_epi32((int)qh);
+    const __m128i set_lo = _mm_cmpeq_epi8(_mm_and_si128(_mm_shuffle_epi8(h, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1,
+                                          1, 1, 1, 1, 1, 1)), bit), bit);
+    const __m128i set_hi = _mm_cmpeq_epi8(_mm_and_si128(_mm_shuffle_epi8(h, _mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                          3, 3, 3, 3, 3, 3)), bit), bit);
+    const __m128i q = _mm_loadu_si128((const __m128i *)(w + 6));
+    /* code - 16 = nibble - 16 where the fifth bit is clear, nibble where it is set */
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, low4), _mm_andnot_si128(set_lo, sixteen));
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), low4), _mm_andnot_si128(set_hi, sixteen));
+    return block_dot(widen_s8(lo), widen_s8(high8(lo)), widen_s8(hi), widen_s8(high8(hi)), x);
+}
+
+static float dot_q5_0(const uint8_t *w, int64_t nb, const float *x) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 1 < nb; i += 2, w += 44, x += 64) {
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q5_0_block(w, x), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w + 22)), q5_0_block(w + 22, x + 32), acc1);
+    }
+    if (i < nb) acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q5_0_block(w, x), acc0);
+    return hsum256(_mm256_add_ps(acc0, acc1));
+}
 #else
 /* Portable: the same sums, one weight at a time. */
 static float dot_q4_1(const uint8_t *w, int64_t nb, const float *x, const float *xsum) {
@@ -270,6 +301,20 @@ static float dot_q8_0(const uint8_t *w, int64_t nb, const float *x) {
     for (int64_t i = 0; i < nb; i++, w += 34, x += 32) {
         float s = 0.0f;
         for (int j = 0; j < 32; j++) s += (float)(int8_t)w[2 + j] * x[j];
+        acc += half_to_float(w) * s;
+    }
+    return acc;
+}
+static float dot_q5_0(const uint8_t *w, int64_t nb, const float *x) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < nb; i++, w += 22, x += 32) {
+        uint32_t qh;
+        memcpy(&qh, w + 2, 4);
+        float s = 0.0f;
+        for (int j = 0; j < 16; j++) {
+            s += (float)(((w[6 + j] & 0x0F) | (((qh >> j) & 1) << 4)) - 16) * x[j];
+            s += (float)(((w[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16) * x[j + 16];
+        }
         acc += half_to_float(w) * s;
     }
     return acc;
@@ -323,6 +368,8 @@ int fm_qgemv(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t row
             y[row] = dot_q4_0(wr, nb, x);
         } else if (num_x == 1 && type == FM_Q8_0) {
             y[row] = dot_q8_0(wr, nb, x);
+        } else if (num_x == 1 && type == FM_Q5_0) {
+            y[row] = dot_q5_0(wr, nb, x);
         } else {
             float out[FM_MAX_X];
             dot_generic(deq, qk, block_bytes, wr, nb, x, num_x, x_stride, out);
