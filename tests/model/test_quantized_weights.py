@@ -10,7 +10,7 @@ import torch
 
 from flashmemory.kvcache.contiguous import ContiguousKVCache
 from flashmemory.kvcache.interface import ForwardBatch
-from flashmemory.model.linear import TILE_ELEMENTS, QuantizedLinear
+from flashmemory.model.linear import QuantizedLinear
 from flashmemory.model.llama import LlamaModel
 from flashmemory.model.loader import StoredWeights, build_model, open_checkpoint, weights_bytes
 from flashmemory.model.native import quant_kernels
@@ -115,11 +115,18 @@ def test_model_keeping_blocks_gives_the_float32_dequantized_logits(tmp_path, typ
     assert weights_bytes(ckpt, "float32", torch.float32) == dense.num_parameter_bytes()
 
 
-def test_prefill_dequantizes_tiles_never_a_whole_float32_matrix(tmp_path):
+def test_prefill_dequantizes_row_tiles_into_one_bounded_buffer(tmp_path, monkeypatch):
+    """Tiles of a few rows (forced small here) give the dense logits; the shared buffer never outgrows a tile."""
+    from flashmemory.model import linear
+
     ckpt = _tiny_gguf(tmp_path, "Q8_0")
+    dense = build_model(ckpt, torch.device("cpu"), torch.float32, "float32")
+    monkeypatch.setattr(linear, "TILE_ELEMENTS", 1000)  # 15 rows of 64 columns, 3 of 256
     model = build_model(ckpt, torch.device("cpu"), torch.float32, "auto")
-    _logits(model, list(range(3, 40)), prefill=37)
-    assert 0 < model.workspace.tile(1, 1).untyped_storage().nbytes() <= 4 * TILE_ELEMENTS
+    ids = list(range(3, 40))
+    a, b = _logits(model, ids, prefill=37), _logits(dense, ids, prefill=37)
+    assert (a - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item())
+    assert 0 < model.workspace.tile(1, 1).untyped_storage().nbytes() <= 4 * 1000
 
 
 def test_a_projection_of_no_rows_is_empty(tmp_path):
