@@ -192,5 +192,6 @@ def test_smollm2_keeping_blocks_matches_the_float32_model_over_256_tokens(smollm
     ids = [int(i) for i in torch.randint(100, 20000, (256,), generator=torch.Generator().manual_seed(0))]
     a, b = _logits(kept, ids, 200), _logits(dense, ids, 200)
     max_dlogit = (a - b).abs().max().item()
-    assert max_dlogit <= 2e-3, max_dlogit  # measured ~1e-4 (logits of magnitude ~20)
+    print(f"SmolLM2, 256 tokens: max |dlogit| {max_dlogit:.2e}")
+    assert max_dlogit <= 2e-3, max_dlogit
     assert torch.equal(a.argmax(-1), b.argmax(-1))
