@@ -28,6 +28,11 @@ class EngineConfig:
     device: str = setting("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     dtype: str = setting("auto", "auto (float32 on CPU, bfloat16 on CUDA when supported), float32, bfloat16 or "
                          "float16 (also fp32, bf16, fp16, half; float64 is for exactness tests)")
+    weights_dtype: str = setting(
+        "auto", "how weights are stored: auto (a GGUF's block formats Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K as in the "
+        "file, read by a native GEMV on the CPU; other formats and safetensors dense in dtype), float32 or bfloat16 "
+        "(every weight dense), q8_0 or q4_0 (quantize a checkpoint's matrices at load; CPU only)",
+        choices=("auto", "float32", "bfloat16", "q8_0", "q4_0"))
     max_seq_len: int | None = setting(
         None, "longest sequence (prompt + generated); None = the model's limit", unit="tokens", ge=2)
     num_threads: int | None = setting(

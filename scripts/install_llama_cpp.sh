@@ -2,7 +2,8 @@
 # Install the optional llama.cpp peer of `flashmemory bench` (llama-cpp-python) into .venv.
 # It compiles llama.cpp from source: about 10-20 minutes on a 2-core machine. Never part of the test command.
 # After it, `flashmemory bench` measures the llamacpp-* engines (f16 / q8_0 / q4_0 KV, flash attention on/off)
-# with OMP_WAIT_POLICY=PASSIVE and the same thread count as the other engines (recorded in the report).
+# with OpenMP's default wait policy (the torch engines run PASSIVE) and the same thread count as the other engines
+# (recorded in the report); `flashmemory bench --decode-only` compares decode speed with it side by side.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

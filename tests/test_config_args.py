@@ -25,7 +25,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "flashmemory"
 
 # A valid value other than the default for every field (together they make one valid config of each class).
 ENGINE_SAMPLES = {
-    "model_path": "m.gguf", "device": "cpu", "dtype": "float16", "max_seq_len": 4096, "num_threads": 2,
+    "model_path": "m.gguf", "device": "cpu", "dtype": "float16", "weights_dtype": "q8_0", "max_seq_len": 4096,
+    "num_threads": 2,
     "rope_sharding": False,
     "kv_cache": "contiguous", "kv_precision": "int4", "max_gpu_memory_mb": 512, "active_window": 64,
     "warm_tokens": 128, "semantic_truncate_threshold": 0.3, "warm_budget_tokens": 256, "selection_min_tokens": 64,

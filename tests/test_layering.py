@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "flashmemory"
 # Rank of each top-level part: a module may import its own part or a lower rank, never a higher one.
 RANKS = {
     "flashmemory.errors": 0, "flashmemory.version": 0, "flashmemory.settings": 0, "flashmemory.config": 0,
-    "flashmemory.seed_names": 0,
+    "flashmemory.seed_names": 0, "flashmemory.native_build": 0,
     "flashmemory.config_args": 0,
     "flashmemory.kvcache": 1, "flashmemory.model": 1,
     "flashmemory.engine": 2,

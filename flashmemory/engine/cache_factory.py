@@ -24,13 +24,12 @@ def check_budgets(config: EngineConfig) -> None:
         check_host_budget(config)
 
 
-def device_plan_for(config: EngineConfig, model_config: ModelConfig, max_seq_len: int,
-                    dtype: torch.dtype) -> DevicePlan | None:
-    """Split the device budget (weights, workspace, L0 KV); None for the contiguous cache."""
+def device_plan_for(config: EngineConfig, model_config: ModelConfig, max_seq_len: int, dtype: torch.dtype,
+                    weights_bytes: int) -> DevicePlan | None:
+    """Split the device budget (weights as stored, workspace, L0 KV); None for the contiguous cache."""
     if config.kv_cache != "tiered":
         return None
-    weights = model_config.num_parameters() * torch.empty((), dtype=dtype).element_size()
-    return plan_device(config, model_config, weights, dtype, config.resolve_block_size(max_seq_len))
+    return plan_device(config, model_config, weights_bytes, dtype, config.resolve_block_size(max_seq_len))
 
 
 def build_kv_cache(config: EngineConfig, model_config: ModelConfig, plan: DevicePlan | None, max_seq_len: int,

@@ -23,7 +23,7 @@ from flashmemory.errors import ConfigError, FlashMemoryError, PromptTooLongError
 from flashmemory.engine.sizing import DevicePlan
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
 from flashmemory.kvcache.tiered import TieredKVCache
-from flashmemory.model.loader import build_model, open_checkpoint
+from flashmemory.model.loader import build_model, open_checkpoint, weights_bytes
 from flashmemory.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -55,9 +55,12 @@ class FlashMemoryEngine:
         self.max_seq_len = self.config.max_seq_len or model_limit
         # Before loading weights: a budget that cannot work fails fast.
         check_budgets(self.config)
+        # Weights as stored (block formats at their size): estimated before loading, then measured.
+        self.weights_bytes = weights_bytes(checkpoint, self.config.weights_dtype, self.dtype)
         self.device_plan: DevicePlan | None = device_plan_for(self.config, self.model_config, self.max_seq_len,
-                                                               self.dtype)
-        self.model = build_model(checkpoint, self.device, self.dtype)
+                                                               self.dtype, self.weights_bytes)
+        self.model = build_model(checkpoint, self.device, self.dtype, self.config.weights_dtype)
+        self.weights_bytes = self.model.num_parameter_bytes()
         if not self.config.rope_sharding:
             self.model.rotary.tabulate(self.max_seq_len)  # one table now instead of shards as positions come
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint.path, checkpoint.config.eos_token_ids)
@@ -76,7 +79,8 @@ class FlashMemoryEngine:
         )
 
     def _build_cache(self) -> KVCache:
-        self.device_plan = device_plan_for(self.config, self.model_config, self.max_seq_len, self.dtype)
+        self.device_plan = device_plan_for(self.config, self.model_config, self.max_seq_len, self.dtype,
+                                           self.weights_bytes)
         return build_kv_cache(self.config, self.model_config, self.device_plan, self.max_seq_len, self.device,
                               self.dtype, f"{self.model_path}:{self.model_config}")
 
@@ -243,7 +247,7 @@ class FlashMemoryEngine:
     def stats(self) -> dict[str, int | float]:
         """KV bytes and blocks per level, selected fractions, bytes moved between levels, load failures."""
         out = dict(self.cache.stats())
-        out["weights_bytes"] = self.model.num_parameter_bytes()
+        out["weights_bytes"] = self.weights_bytes
         if self.budget_controller is not None:
             out.update(self.budget_controller.stats())
         return out

@@ -14,6 +14,7 @@ from flashmemory.errors import CorruptWeightsError, UnsupportedModelError
 from flashmemory.model.gguf_dequant import dequantize_torch
 from flashmemory.model.gguf_file import GGUFFile, GGUFFormatError, GGUFTensorInfo
 from flashmemory.model.model_config import ModelConfig
+from flashmemory.model.quantized import BLOCK_FORMATS, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,35 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         elif self._permuted and name.endswith("k_proj.weight"):
             tensor = unpermute_rope_rows(tensor, cfg.num_kv_heads)
         return tensor
+
+    def blocks(self, name: str) -> QuantizedTensor | None:
+        """The 2-D weight `name` as its GGUF blocks (q/k rows un-permuted), or None when its format is not one the
+        native kernels read (then __getitem__ dequantizes it)."""
+        t = self._by_hf_name[name]
+        type_name = self._types[name].name
+        if type_name not in BLOCK_FORMATS or len(t.shape) != 2:
+            return None
+        blocks = torch.from_numpy(np.array(self._file.raw(t), copy=True))  # [rows, row_bytes]; off the file map
+        cfg = self.config
+        if self._permuted and name.endswith("q_proj.weight"):
+            blocks = unpermute_rope_rows(blocks, cfg.num_heads).contiguous()
+        elif self._permuted and name.endswith("k_proj.weight"):
+            blocks = unpermute_rope_rows(blocks, cfg.num_kv_heads).contiguous()
+        return QuantizedTensor(type_name, blocks, int(t.shape[0]))
+
+    def stored_bytes_as_kept(self, dense_element_bytes: int) -> int:
+        """Bytes of all tensors as weights_dtype="auto" keeps them: block formats the kernels read at their size in
+        the file, the others dense at `dense_element_bytes` per weight."""
+        total = 0
+        for name, t in self._by_hf_name.items():
+            if self._types[name].name in BLOCK_FORMATS and len(t.shape) == 2:
+                total += t.num_bytes
+            else:
+                total += int(np.prod(t.shape)) * dense_element_bytes
+        return total
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._by_hf_name
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._by_hf_name)

@@ -11,7 +11,10 @@ from tqdm import tqdm
 
 from flashmemory.errors import CorruptWeightsError
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
+from flashmemory.model.linear import DenseLinear, DequantWorkspace, QuantizedEmbedding, QuantizedLinear
 from flashmemory.model.model_config import ModelConfig
+from flashmemory.model.native import step_ops
+from flashmemory.model.quantized import QuantizedTensor
 from flashmemory.model.rope import RotaryEmbedding
 
 
@@ -24,6 +27,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = step_ops.rms_norm(x, self.weight, self.eps)  # one pass instead of eight ops (float32 CPU)
+        if fused is not None:
+            return fused
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -32,14 +38,17 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query self-attention; q/k/v are one fused projection."""
 
+    qkv_proj: DenseLinear | QuantizedLinear
+    o_proj: DenseLinear | QuantizedLinear
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = DenseLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = DenseLinear(self.q_size, cfg.hidden_size, bias=False)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, batch: ForwardBatch
@@ -50,8 +59,10 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)  # keys are cached after RoPE
+        # keys are cached after RoPE; the fused kernel rotates q and k in place (their rows are fresh)
+        if not step_ops.rope_(q, k, cos, sin):
+            q = RotaryEmbedding.apply(q, cos, sin)
+            k = RotaryEmbedding.apply(k, cos, sin)
         out = cache.attend(self.layer_idx, batch, q, k, v)  # [T, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -59,15 +70,22 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward; gate and up are one fused projection."""
 
+    gate_up_proj: DenseLinear | QuantizedLinear
+    down_proj: DenseLinear | QuantizedLinear
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = DenseLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = DenseLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        hidden = step_ops.swiglu(gate_up)  # fused on float32 CPU rows
+        if hidden is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            hidden = F.silu(gate) * up
+        return self.down_proj(hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -88,16 +106,21 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """The whole decoder: embeddings, layers, final norm and LM head (possibly tied to the embeddings)."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 weights_dtype: torch.dtype | None = None):
         super().__init__()
         self.config = cfg
         self.device = torch.device(device)
-        self.dtype = dtype
+        self.dtype = dtype  # activations
+        self.weights_dtype = weights_dtype or dtype  # dense weights; block-format weights stay as stored
+        self.workspace = DequantWorkspace()  # prefill tiles of block-format weights
         with torch.device("meta"):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
             self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.embed_tokens: nn.Embedding | QuantizedEmbedding
+            self.lm_head: DenseLinear | QuantizedLinear | None = (
+                None if cfg.tie_word_embeddings else DenseLinear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, self.device
         )
@@ -115,15 +138,17 @@ class LlamaModel(nn.Module):
 
         The cache is extended by the batch's new tokens; call `cache.commit(batch)` afterwards.
         """
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x = self.embed_tokens(input_ids).to(self.dtype)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(batch.positions, batch.max_position)
         for layer in self.layers:
             x = layer(x, cos, sin, cache, batch)
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.norm(x)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(x).float()
+        weight = self.embed_tokens.weight  # tied, dense
+        return F.linear(x.to(weight.dtype), weight).float()
 
     def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor], progress: bool = False) -> None:
         """Take tensors named as in Hugging Face checkpoints (model.layers.N.self_attn.q_proj.weight, ...)."""
@@ -137,33 +162,71 @@ class LlamaModel(nn.Module):
                 )
             return tensors[name]
 
-        def put(param_owner: nn.Module, attr: str, value: torch.Tensor, expected: tuple[int, ...]) -> None:
+        def put(param_owner: nn.Module, attr: str, value: torch.Tensor, expected: tuple[int, ...],
+                dtype: torch.dtype | None = None) -> None:
             if tuple(value.shape) != expected:
                 raise CorruptWeightsError(
                     f"tensor for {attr} has shape {tuple(value.shape)}, the config implies {expected}"
                 )
-            setattr(param_owner, attr, nn.Parameter(value.to(self.device, self.dtype), requires_grad=False))
+            setattr(param_owner, attr, nn.Parameter(value.to(self.device, dtype or self.dtype), requires_grad=False))
+
+        def project(owner: nn.Module, attr: str, names: list[str], bias_names: list[str] | None,
+                    expected: tuple[int, int]) -> None:
+            """owner.attr = the projection stacking the named weights' rows: dense, or kept as blocks."""
+            parts = [take(n) for n in names]
+            bias = torch.cat([take(n) for n in bias_names]) if bias_names else None
+            if not any(isinstance(p, QuantizedTensor) for p in parts):
+                put(getattr(owner, attr), "weight", torch.cat(parts), expected, self.weights_dtype)
+                if bias is not None:
+                    put(getattr(owner, attr), "bias", bias, (expected[0],), self.weights_dtype)
+                return
+            shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+            if shape != expected or any(p.shape[1] != expected[1] for p in parts):
+                raise CorruptWeightsError(f"tensors for {attr} have shape {shape}, the config implies {expected}")
+            parts = [p if isinstance(p, QuantizedTensor) else p.float() for p in parts]
+            setattr(owner, attr, QuantizedLinear(parts, None if bias is None else bias.float(), self.workspace))
 
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        put(self.embed_tokens, "weight", take("model.embed_tokens.weight"), (cfg.vocab_size, hidden))
+        embedding = take("model.embed_tokens.weight")
+        if isinstance(embedding, QuantizedTensor):
+            if embedding.shape != (cfg.vocab_size, hidden):
+                raise CorruptWeightsError(
+                    f"tensor for embed_tokens has shape {embedding.shape}, the config implies {(cfg.vocab_size, hidden)}")
+            self.embed_tokens = QuantizedEmbedding(embedding, self.workspace, self.dtype)
+            if self.lm_head is None:  # tied: the output projection reads the same blocks
+                self.lm_head = QuantizedLinear([embedding], None, self.workspace)
+        else:
+            put(self.embed_tokens, "weight", embedding, (cfg.vocab_size, hidden),
+                self.weights_dtype if self.lm_head is None else None)
         put(self.norm, "weight", take("model.norm.weight"), (hidden,))
-        if self.lm_head is not None:
-            put(self.lm_head, "weight", take("lm_head.weight"), (cfg.vocab_size, hidden))
+        if self.lm_head is not None and not cfg.tie_word_embeddings:
+            project(self, "lm_head", ["lm_head.weight"], None, (cfg.vocab_size, hidden))
         for i, layer in enumerate(tqdm(self.layers, desc="loading layers", unit="layer", disable=not progress)):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             put(layer.input_layernorm, "weight", take(p + "input_layernorm.weight"), (hidden,))
             put(layer.post_attention_layernorm, "weight", take(p + "post_attention_layernorm.weight"), (hidden,))
-            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            put(attn.qkv_proj, "weight", qkv, (q_size + 2 * kv_size, hidden))
-            if cfg.qkv_bias:
-                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                put(attn.qkv_proj, "bias", bias, (q_size + 2 * kv_size,))
-            put(attn.o_proj, "weight", take(p + "self_attn.o_proj.weight"), (hidden, q_size))
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            put(mlp.gate_up_proj, "weight", gate_up, (2 * inter, hidden))
-            put(mlp.down_proj, "weight", take(p + "mlp.down_proj.weight"), (hidden, inter))
+            project(attn, "qkv_proj", [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
+                    [p + f"self_attn.{n}_proj.bias" for n in "qkv"] if cfg.qkv_bias else None,
+                    (q_size + 2 * kv_size, hidden))
+            project(attn, "o_proj", [p + "self_attn.o_proj.weight"], None, (hidden, q_size))
+            project(mlp, "gate_up_proj", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], None,
+                    (2 * inter, hidden))
+            project(mlp, "down_proj", [p + "mlp.down_proj.weight"], None, (hidden, inter))
+
+    def num_parameters(self) -> int:
+        """Weights of the model however stored (a block-format matrix counts rows x cols; a tied table once)."""
+        counts = {id(p): p.numel() for p in self.parameters()}
+        for module in self.modules():
+            parts = module.parts if isinstance(module, QuantizedLinear) else \
+                [module.table] if isinstance(module, QuantizedEmbedding) else []
+            for part in parts:
+                stored = part.blocks if isinstance(part, QuantizedTensor) else part
+                counts[id(stored)] = part.shape[0] * part.shape[1]
+        return sum(counts.values())
 
     def num_parameter_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes the weights take as stored (block formats at their real size; a tied table counted once)."""
+        tensors = {id(t): t for t in (*self.parameters(), *self.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values())

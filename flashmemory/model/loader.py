@@ -5,17 +5,18 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from flashmemory.errors import ModelNotFoundError
+from flashmemory.errors import ConfigError, ModelNotFoundError
 from flashmemory.model.default_model import default_model_path
 from flashmemory.model.gguf_loader import GGUFCheckpoint
 from flashmemory.model.llama import LlamaModel
 from flashmemory.model.model_config import ModelConfig
+from flashmemory.model.quantized import BLOCK_FORMATS, QuantizedTensor, quantize
 from flashmemory.model.registry import BY_HF_NAME
 from flashmemory.model.safetensors_loader import SafetensorsCheckpoint
 
@@ -23,6 +24,11 @@ logger = logging.getLogger(__name__)
 
 # registry.Architecture.family -> the decoder class that builds it.
 DECODER_FAMILIES: dict[str, type[LlamaModel]] = {"llama": LlamaModel}
+# How weights are kept (EngineConfig.weights_dtype): "auto" keeps a GGUF's block formats (the native GEMV reads
+# them; formats it does not read are dequantized), "float32" / "bfloat16" store every weight dense in that dtype,
+# "q8_0" / "q4_0" quantize a dense checkpoint's matrices at load.
+WEIGHTS_DTYPES = ("auto", "float32", "bfloat16", "q8_0", "q4_0")
+_DENSE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -68,9 +74,61 @@ def open_checkpoint(model_path: str | os.PathLike | None) -> Checkpoint:
     return Checkpoint(path, "gguf", gg.config, gg)
 
 
-def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype) -> LlamaModel:
+class StoredWeights(Mapping[str, torch.Tensor | QuantizedTensor]):
+    """The checkpoint's tensors in the form the model keeps them: matrices as blocks or dense, by weights_dtype."""
+
+    def __init__(self, checkpoint: Checkpoint, weights_dtype: str, device: torch.device) -> None:
+        if weights_dtype not in WEIGHTS_DTYPES:
+            raise ConfigError(f"weights_dtype={weights_dtype!r} is not supported; use one of: "
+                              f"{', '.join(WEIGHTS_DTYPES)}")
+        if weights_dtype in ("q8_0", "q4_0") and device.type != "cpu":
+            raise ConfigError(f"weights_dtype={weights_dtype!r} runs on the CPU only (the block-format kernels are "
+                              "C); on a GPU use weights_dtype='auto', 'float32' or 'bfloat16'")
+        self.tensors = checkpoint.tensors
+        self.keep_blocks = weights_dtype == "auto" and device.type == "cpu" and isinstance(self.tensors, GGUFCheckpoint)
+        self.quantize_to = weights_dtype.upper() if weights_dtype in ("q8_0", "q4_0") else None
+
+    def _is_matrix(self, name: str) -> bool:
+        return name.endswith(".weight") and "norm" not in name
+
+    def __getitem__(self, name: str) -> torch.Tensor | QuantizedTensor:
+        if self.keep_blocks and self._is_matrix(name):
+            blocks = self.tensors.blocks(name)
+            if blocks is not None:
+                return blocks
+        value = self.tensors[name]
+        if self.quantize_to and value.dim() == 2 and value.shape[1] % BLOCK_FORMATS[self.quantize_to][0] == 0:
+            return quantize(value, self.quantize_to)
+        return value
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def weights_bytes(checkpoint: Checkpoint, weights_dtype: str, dtype: torch.dtype) -> int:
+    """Bytes the model's weights will take once loaded (block formats at their size), before loading them."""
+    dense_dtype = _DENSE.get(weights_dtype, dtype)
+    dense = checkpoint.config.num_parameters() * torch.empty((), dtype=dense_dtype).element_size()
+    if weights_dtype in ("q8_0", "q4_0"):
+        return dense * BLOCK_FORMATS[weights_dtype.upper()][1] // (32 * torch.empty((), dtype=dense_dtype).element_size())
+    tensors = checkpoint.tensors
+    if weights_dtype != "auto" or not isinstance(tensors, GGUFCheckpoint):
+        return dense
+    return tensors.stored_bytes_as_kept(torch.empty((), dtype=dtype).element_size())
+
+
+def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
+                weights_dtype: str = "auto") -> LlamaModel:
     """Instantiate our decoder and load the checkpoint's tensors into it (tqdm bar on a terminal)."""
+    stored = StoredWeights(checkpoint, weights_dtype, device)
     decoder = DECODER_FAMILIES[BY_HF_NAME[checkpoint.config.architecture].family]
-    model = decoder(checkpoint.config, device=device, dtype=dtype)
-    model.load_hf_state_dict(checkpoint.tensors, progress=sys.stderr.isatty())
+    model = decoder(checkpoint.config, device=device, dtype=dtype, weights_dtype=_DENSE.get(weights_dtype))
+    model.load_hf_state_dict(stored, progress=sys.stderr.isatty())
+    logger.info("weights: %s, %.1f MiB as stored", weights_dtype, model.num_parameter_bytes() / 2**20)
     return model

@@ -99,6 +99,9 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
             return torch.empty(entry.shape, dtype=entry.dtype)
         return torch.frombuffer(buf, dtype=entry.dtype).reshape(entry.shape)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._where
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 

@@ -98,5 +98,5 @@ def test_gguf_with_garbage_content_is_detected(tmp_path):
 def test_parameter_count_from_the_config_matches_the_loaded_model(tiny_llama, smollm2_path):
     for path in (tiny_llama, smollm2_path):
         engine = FlashMemoryEngine(model_path=str(path), kv_cache="contiguous")
-        counted = sum(p.numel() for p in engine.model.parameters())
+        counted = engine.model.num_parameters()
         assert engine.model_config.num_parameters() == counted

@@ -62,7 +62,7 @@ class DecodeState:
             self.q.data_ptr(), self.heads, self.group, self.dim, storage.data_ptr(), storage.shape[1],
             storage.shape[2], slots.data_ptr(), slots.shape[1], fmt.bits, fmt.block_size, fmt.key_group_tokens,
             fmt.value_group_channels, fmt.codes_offset, fmt.k_scale_offset, fmt.k_zero_offset, fmt.v_scale_offset,
-            fmt.v_zero_offset, self.state.data_ptr())
+            fmt.v_zero_offset, self.state.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"block format {fmt} is outside the decode kernel's limits")
 

@@ -46,11 +46,23 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--from-json", default=None, metavar="PATH",
                    help="measure nothing: print the tables of a saved report again (--charts-dir draws its charts, "
                    "--json writes it back with the tables recomputed)")
+    p.add_argument("--decode-only", action="store_true",
+                   help="the fair decode comparison: FlashMemory (weights as in the GGUF, and float32) and llama.cpp "
+                   "in persistent processes, same ids, teacher-forced steps in interleaved rounds "
+                   "(tools/bench/decode_compare.py); uses --model (a GGUF), --text, --lengths, --threads, --json")
+    p.add_argument("--rounds", type=int, default=3, help="--decode-only: interleaved rounds per length (3)")
+    p.add_argument("--steps", type=int, default=16, help="--decode-only: teacher-forced steps per round (16)")
+    p.add_argument("--fm-omp-wait-policy", default="PASSIVE", choices=["ACTIVE", "PASSIVE"],
+                   help="--decode-only: OMP_WAIT_POLICY of FlashMemory's workers (PASSIVE: measured best on a shared "
+                   "machine; llama.cpp always runs with OpenMP's default)")
     p.set_defaults(func=_run_bench)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
     from flashmemory.tools.bench.config import BenchConfig, parse_length
+
+    if args.decode_only:
+        return _run_decode_compare(args, parse_length)
 
     config = BenchConfig.create(
         quick=args.quick, model_path=args.model, text_path=Path(args.text) if args.text else None,
@@ -82,6 +94,45 @@ def _run_bench(args: argparse.Namespace) -> int:
         else:
             for path in write_charts(report, config.charts_dir):
                 print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _run_decode_compare(args: argparse.Namespace, parse_length) -> int:
+    import json
+    import os
+    import tempfile
+
+    from flashmemory.errors import ConfigError
+    from flashmemory.tools.bench.decode_compare import default_engines, run_decode_compare, to_markdown
+    from flashmemory.model.loader import open_checkpoint
+    from flashmemory.model.tokenizer import Tokenizer
+    from flashmemory.tools.eval import default_text_path
+
+    checkpoint = open_checkpoint(args.model)
+    if checkpoint.format != "gguf":
+        raise ConfigError("--decode-only compares engines on one GGUF: pass --model FILE.gguf (or none: SmolLM2)")
+    text = Path(args.text) if args.text else default_text_path()
+    if text is None:
+        raise ConfigError("no --text given and ../shared/data/alice29.txt not found: pass a long text file")
+    tokenizer = Tokenizer.from_checkpoint(checkpoint.path, checkpoint.config.eos_token_ids)
+    ids = tokenizer.encode(Path(text).read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
+    limit = checkpoint.config.max_context_tokens - args.rounds * args.steps - 32
+    lengths = [min(parse_length(x), limit) for x in args.lengths] if args.lengths else [512, 2048, 8192]
+    lengths = [min(n, limit) for n in lengths]
+    while len(ids) < max(lengths) + args.rounds * args.steps:  # a short text is repeated
+        ids = ids + ids
+    threads = args.threads or min(8, len(os.sched_getaffinity(0)))
+    with tempfile.TemporaryDirectory(prefix="fm-decode-") as tmp:
+        ids_path = Path(tmp) / "ids.json"
+        ids_path.write_text(json.dumps(ids))
+        report = run_decode_compare(checkpoint.path, ids_path, lengths, args.rounds, args.steps, threads,
+                                    default_engines(args.fm_omp_wait_policy), Path(tmp),
+                                    log=lambda m: print(m, file=sys.stderr, flush=True))
+    markdown = to_markdown(report)
+    print(markdown)
+    if args.json:
+        Path(args.json).write_text(json.dumps({**report, "markdown": markdown}, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 

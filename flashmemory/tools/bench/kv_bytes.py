@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-import torch
-
 # llama.cpp KV types: bytes per block of values and values per block (ggml's type traits).
 GGML_KV_TYPES: dict[str, tuple[int, int]] = {"f32": (4, 1), "f16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32)}
 
@@ -17,6 +15,8 @@ def tensor_bytes_by_device(obj: Any) -> dict[str, int]:
     Quantized tensor subclasses (optimum-quanto) are opened through __tensor_flatten__, so their packed data,
     scales and shifts are counted, not their logical shape. A storage reached twice is counted once.
     """
+    import torch  # here, not at the top: the llama.cpp worker imports this module and must not load torch
+
     totals: dict[str, int] = defaultdict(int)
     seen_storages: set[tuple[str, int]] = set()
     seen_objects: set[int] = set()

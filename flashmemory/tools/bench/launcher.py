@@ -11,19 +11,23 @@ from itertools import count
 from pathlib import Path
 from typing import Any
 
+from flashmemory.tools.bench.engines import LLAMA_CPP
 from flashmemory.tools.bench.jobs import FidelityJob, SpeedJob, write_job
 from flashmemory.tools.bench.worker import RESULT_PREFIX
 
 
-def worker_env(num_threads: int) -> dict[str, str]:
-    """The environment of every worker: the same thread count for every engine's OpenMP pool, passive waiting
-    for the torch engines (spinning OpenMP threads lose 10x on a shared machine), and this very copy of the package
-    on the path. llama.cpp workers get OpenMP's default wait policy instead (`engine_env`)."""
+def worker_env(num_threads: int, family: str = "") -> dict[str, str]:
+    """The environment of a worker: the same thread count for every engine's OpenMP pool, this very copy of the
+    package on the path, and each engine's best wait policy: passive for the torch engines (their spinning
+    OpenMP threads lose 10x on a shared machine), OpenMP's default for llama.cpp (passive turns each of ggml's
+    per-node barriers into a sleep: its 2 threads then run slower than 1)."""
     package_root = str(Path(__file__).resolve().parents[3])  # the folder holding flashmemory/
     path = os.environ.get("PYTHONPATH", "")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if family != LLAMA_CPP:
+        env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     return {
-        **os.environ,
-        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+        **env,
         "OMP_NUM_THREADS": str(num_threads),
         "MKL_NUM_THREADS": str(num_threads),
         "TOKENIZERS_PARALLELISM": "false",
@@ -31,25 +35,12 @@ def worker_env(num_threads: int) -> dict[str, str]:
     }
 
 
-def engine_env(env: dict[str, str], engine: str) -> dict[str, str]:
-    """The environment for one engine's worker: llama.cpp runs with OpenMP's default wait policy (passive waiting
-    turns each of ggml's per-node barriers into a sleep: its 2 threads then run slower than 1), unless
-    FLASHMEMORY_BENCH_LLAMACPP_OMP_WAIT_POLICY names one."""
-    if not engine.startswith("llamacpp"):
-        return env
-    out = {k: v for k, v in env.items() if k != "OMP_WAIT_POLICY"}
-    policy = os.environ.get("FLASHMEMORY_BENCH_LLAMACPP_OMP_WAIT_POLICY")
-    if policy:
-        out["OMP_WAIT_POLICY"] = policy
-    return out
-
-
 class WorkerLauncher:
     """Owns the run folder and the workers' environment; run() is one process per job."""
 
     def __init__(self, run_dir: Path, num_threads: int, timeout_s: float | None) -> None:
         self.run_dir = run_dir
-        self.env = worker_env(num_threads)
+        self.num_threads = num_threads
         self.timeout_s = timeout_s
         self._job_ids = count()
 
@@ -59,7 +50,7 @@ class WorkerLauncher:
         limit = timeout_s if timeout_s is not None else self.timeout_s
         try:
             proc = subprocess.run([sys.executable, "-m", "flashmemory.tools.bench.worker", str(path)], capture_output=True,
-                                  text=True, env=engine_env(self.env, getattr(job, "engine", "")), timeout=limit)
+                                  text=True, env=worker_env(self.num_threads, job.family), timeout=limit)
         except subprocess.TimeoutExpired:
             return None, f"timed out after {limit:.0f} s"
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]

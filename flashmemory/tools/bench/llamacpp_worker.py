@@ -11,6 +11,7 @@ import numpy as np
 
 from flashmemory.tools.bench.jobs import FidelityJob, FidelityResult, SpeedJob, SpeedResult, read_token_ids
 from flashmemory.tools.bench.kv_bytes import llama_cpp_kv_bytes
+from flashmemory.tools.bench.rss import peak_rss_bytes
 
 REFERENCE = "llamacpp-f16"  # llama.cpp's rows are compared with its own f16 cache (its kernels, its weights)
 WARMUP_PROMPT_TOKENS = 16
@@ -76,8 +77,6 @@ def measure_speed(job: SpeedJob, model_layers: int, kv_width: int) -> SpeedResul
     n_ctx = llm.n_ctx()
     kv_bytes = llama_cpp_kv_bytes(job.settings["kv_type"], job.settings["kv_type"], n_ctx, model_layers, kv_width)
     llm.close()
-    from flashmemory.tools.bench.fm_worker import peak_rss_bytes
-
     return SpeedResult(
         engine=job.engine, prompt_tokens=len(ids), num_generated_tokens=job.decode_tokens,
         prefill_tok_s=len(ids) / (first - start), ttft_s=first - start,

@@ -122,8 +122,7 @@ def settings_line(report: BenchReport) -> str:
     s, c = report.settings, report.settings["command_settings"]
     return (f"Model {Path(s['model']).name} ({s['model_limit_tokens']}-token limit), text {Path(s['text']).name}; "
             f"{c['decode_tokens']} greedy decode tokens, median of {c['runs']} interleaved run(s), one process per "
-            f"run; {c['threads']} threads, OMP_WAIT_POLICY={s['omp_wait_policy']} (llama.cpp: "
-            f"{s.get('llamacpp_omp_wait_policy', s['omp_wait_policy'])}), dtype {c['dtype']}; torch "
+            f"run; {c['threads']} threads, OMP_WAIT_POLICY={s['omp_wait_policy']}, dtype {c['dtype']}; torch "
             f"{s['torch']}, transformers {s['transformers']}, {s['machine']}, {s['cpu_count']} CPUs, CUDA "
             f"{'yes' if s['cuda'] else 'no'}; {s['wall_s'] / 60:.0f} min in all.")
 

@@ -32,9 +32,10 @@ def run_job(job: SpeedJob | FidelityJob) -> Any:
     if isinstance(job, FidelityJob):
         return [asdict(r) for r in worker.measure_fidelity(job)]
     if job.family == LLAMA_CPP:
-        from flashmemory.model.loader import open_checkpoint
+        # The model's shape from the folder's config.json, without torch: this process holds llama.cpp only.
+        from flashmemory.model.model_config import ModelConfig
 
-        cfg = open_checkpoint(job.folder).config
+        cfg = ModelConfig.from_hf_dict(json.loads((Path(job.folder) / "config.json").read_text()))
         return asdict(worker.measure_speed(job, cfg.num_layers, cfg.num_kv_heads * cfg.head_dim))
     return asdict(worker.measure_speed(job))
 

@@ -30,18 +30,25 @@ def _pool(bits: int, slots: int = 40) -> TensorPool:
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("bits", [2, 4, 16])
-def test_kernel_equals_decode_then_attention_for_every_record_format(bits):
+def test_kernel_equals_decode_then_attention_for_every_record_format(bits, threads):
+    """With several threads each folds a range of blocks into its own state; the states merge by log-sum-exp."""
     pool = _pool(bits)
     layer = 1
-    slots = torch.stack([torch.randperm(40)[:11] for _ in range(HEADS)])  # every KV head its own blocks
+    slots = torch.stack([torch.randperm(40)[:13] for _ in range(HEADS)])  # every KV head its own blocks
     q = torch.randn(HEADS * GROUP, DIM)
     dense_k, dense_v = torch.randn(HEADS, 5, DIM), torch.randn(HEADS, 5, DIM)  # e.g. the still-filling block
 
-    state = DecodeState(native.library(), q, HEADS)
-    state.add_dense(dense_k, dense_v)
-    state.add_records(pool.storage[layer], slots, native.RecordFormat.for_pool(pool))
-    ours = state.output()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        state = DecodeState(native.library(), q, HEADS)
+        state.add_dense(dense_k, dense_v)
+        state.add_records(pool.storage[layer], slots, native.RecordFormat.for_pool(pool))
+        ours = state.output()
+    finally:
+        torch.set_num_threads(before)
 
     kv = pool.codec.decode(pool.get_layer_per_head(slots, layer), torch.float32)  # [2, heads, n, block, D]
     keys = torch.cat((dense_k, kv[0].flatten(1, 2)), dim=1)

@@ -36,14 +36,21 @@ def test_workers_wait_passively_with_the_thread_count_given(monkeypatch):
     assert worker_env(1)["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
-def test_llama_cpp_workers_get_openmps_default_wait_policy_unless_one_is_named(monkeypatch):
-    from flashmemory.tools.bench.launcher import engine_env
+def test_llama_cpp_workers_keep_openmps_default_wait_policy(monkeypatch):
+    """PASSIVE turns each of ggml's per-node barriers into a sleep; llama.cpp runs best with OpenMP's default."""
+    from flashmemory.tools.bench.engines import LLAMA_CPP
 
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("FLASHMEMORY_BENCH_LLAMACPP_OMP_WAIT_POLICY", raising=False)
-    env = worker_env(2)
-    assert engine_env(env, "fm-mixed")["OMP_WAIT_POLICY"] == "PASSIVE"
-    llama = engine_env(env, "llamacpp-f16")
-    assert "OMP_WAIT_POLICY" not in llama and llama["OMP_NUM_THREADS"] == "2"
-    monkeypatch.setenv("FLASHMEMORY_BENCH_LLAMACPP_OMP_WAIT_POLICY", "PASSIVE")
-    assert engine_env(env, "llamacpp-q8_0")["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    env = worker_env(2, LLAMA_CPP)
+    assert "OMP_WAIT_POLICY" not in env and env["OMP_NUM_THREADS"] == "2"
+
+
+def test_the_llama_cpp_worker_does_not_load_torch():
+    """Its peak RSS must be llama.cpp's own: importing the worker's modules leaves torch out of the process."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flashmemory.tools.bench.worker, flashmemory.tools.bench.llamacpp_worker, "
+            "flashmemory.tools.bench.decode_worker; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -14,7 +14,11 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define FM_MAX_TOKENS 64 /* tokens decoded at once (a block, or a tile of dense keys) */
 #define FM_MAX_DIM 256
@@ -133,17 +137,14 @@ static void dequantize_values(const uint8_t *codes, const fm_half *scale, const 
     }
 }
 
-/* Fold n blocks per KV head (slots [H][n]) of one layer's pool storage into the state. Returns 0, or -1 when
- * the shapes exceed the kernel's limits (the caller then uses its fallback). */
-int fm_attend_records(const float *q, int64_t H, int64_t G, int64_t D, const uint8_t *storage, int64_t num_slots,
-                      int64_t record_bytes, const int64_t *slots, int64_t n, int bits, int64_t bs, int64_t kgroup,
-                      int64_t vgroup, int64_t codes_off, int64_t ks_off, int64_t kz_off, int64_t vs_off,
-                      int64_t vz_off, float *state) {
-    if (bs > FM_MAX_TOKENS || D > FM_MAX_DIM || D % 8 || G > FM_MAX_GROUP || (bits != 2 && bits != 4 && bits != 16))
-        return -1;
+/* Fold blocks i0..i1 of each KV head (slots [H][n]) into `state`. */
+static void fold_records(const float *q, int64_t H, int64_t G, int64_t D, const uint8_t *storage, int64_t num_slots,
+                         int64_t record_bytes, const int64_t *slots, int64_t n, int64_t i0, int64_t i1, int bits,
+                         int64_t bs, int64_t kgroup, int64_t vgroup, int64_t codes_off, int64_t ks_off,
+                         int64_t kz_off, int64_t vs_off, int64_t vz_off, float *state) {
     float k[FM_MAX_TOKENS * FM_MAX_DIM], v[FM_MAX_TOKENS * FM_MAX_DIM];
     for (int64_t h = 0; h < H; h++) {
-        for (int64_t i = 0; i < n; i++) {
+        for (int64_t i = i0; i < i1; i++) {
             const uint8_t *rec = storage + (h * num_slots + slots[h * n + i]) * record_bytes;
             if (bits == 16) {
                 const fm_half *kv = (const fm_half *)(rec + codes_off);
@@ -162,6 +163,68 @@ int fm_attend_records(const float *q, int64_t H, int64_t G, int64_t D, const uin
             attend_tile(q + h * G * D, G, D, k, v, bs, state + h * G * (D + 2));
         }
     }
+}
+
+/* state <- the online-softmax merge of state and other (both [H * G][D + 2]): rescale both to the larger max. */
+static void merge_states(float *state, const float *other, int64_t rows, int64_t D) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *a = state + r * (D + 2);
+        const float *b = other + r * (D + 2);
+        const float m = a[D] > b[D] ? a[D] : b[D];
+        const float wa = expf(a[D] - m), wb = expf(b[D] - m);
+        for (int64_t c = 0; c < D; c++) a[c] = a[c] * wa + b[c] * wb;
+        a[D + 1] = a[D + 1] * wa + b[D + 1] * wb;
+        a[D] = m;
+    }
+}
+
+#define FM_MIN_BLOCKS_PER_THREAD 4 /* below this a second thread costs more than it saves */
+
+/* Fold n blocks per KV head (slots [H][n]) of one layer's pool storage into the state, the block range split over
+ * num_threads OpenMP threads (each folds the chunks it takes, every head, into its own state; the states are merged
+ * by log-sum-exp). Returns 0, or -1 when the shapes exceed the kernel's limits (the caller then uses its fallback). */
+int fm_attend_records(const float *q, int64_t H, int64_t G, int64_t D, const uint8_t *storage, int64_t num_slots,
+                      int64_t record_bytes, const int64_t *slots, int64_t n, int bits, int64_t bs, int64_t kgroup,
+                      int64_t vgroup, int64_t codes_off, int64_t ks_off, int64_t kz_off, int64_t vs_off,
+                      int64_t vz_off, float *state, int num_threads) {
+    if (bs > FM_MAX_TOKENS || D > FM_MAX_DIM || D % 8 || G > FM_MAX_GROUP || (bits != 2 && bits != 4 && bits != 16))
+        return -1;
+    int threads = num_threads;
+    if (threads > n / FM_MIN_BLOCKS_PER_THREAD) threads = (int)(n / FM_MIN_BLOCKS_PER_THREAD);
+    float *partial = threads > 1 ? malloc(sizeof(float) * (size_t)((threads - 1) * H * G * (D + 2))) : NULL;
+    if (partial == NULL) threads = 1;
+    if (threads == 1) {
+        fold_records(q, H, G, D, storage, num_slots, record_bytes, slots, n, 0, n, bits, bs, kgroup, vgroup,
+                     codes_off, ks_off, kz_off, vs_off, vz_off, state);
+        free(partial);
+        return 0;
+    }
+    const int64_t size = H * G * (D + 2);
+    for (int64_t e = 0; e < (threads - 1) * size; e++)
+        partial[e] = (e % (D + 2) == D) ? -FLT_MAX : 0.0f; /* acc = 0, m = -FLT_MAX, l = 0 */
+    /* Chunks of FM_MIN_BLOCKS_PER_THREAD blocks, taken dynamically (a thread that loses its core on a shared
+     * machine leaves its chunks to the others); each thread folds what it takes into its own state. */
+    const int64_t num_chunks = (n + FM_MIN_BLOCKS_PER_THREAD - 1) / FM_MIN_BLOCKS_PER_THREAD;
+    int used = 1;
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num();
+        if (t == 0) used = omp_get_num_threads();
+#else
+        const int t = 0;
+#endif
+        float *mine = t == 0 ? state : partial + (t - 1) * size;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < num_chunks; c++) {
+            const int64_t i0 = c * FM_MIN_BLOCKS_PER_THREAD;
+            const int64_t i1 = i0 + FM_MIN_BLOCKS_PER_THREAD < n ? i0 + FM_MIN_BLOCKS_PER_THREAD : n;
+            fold_records(q, H, G, D, storage, num_slots, record_bytes, slots, n, i0, i1, bits, bs, kgroup, vgroup,
+                         codes_off, ks_off, kz_off, vs_off, vz_off, mine);
+        }
+    }
+    for (int t = 1; t < used; t++) merge_states(state, partial + (t - 1) * size, H * G, D);
+    free(partial);
     return 0;
 }
 

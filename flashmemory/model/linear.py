@@ -1,0 +1,170 @@
+"""Projections and the embedding whose weights are dense or kept in GGUF block formats (QuantizedTensor).
+
+Decode (a few rows of x) runs the native GEMV over the blocks; prefill dequantizes tiles of rows into one
+float32 buffer per model (DequantWorkspace) and hands each tile to torch's GEMM, so no full float32 copy of a
+weight ever exists. Without the native library the tiles come from the torch reference dequantization.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashmemory.model.native import quant_kernels
+from flashmemory.model.quantized import QuantizedTensor
+
+# float32 weights per prefill tile (16 MiB): a layer's matrices fit whole (one GEMM each, as dense weights get:
+# smaller tiles measured 20 % slower), the LM head and large models' matrices go in row tiles.
+TILE_ELEMENTS = 1 << 22
+
+Part = torch.Tensor | QuantizedTensor
+
+
+class DequantWorkspace:
+    """Owns the float32 buffer prefill tiles are dequantized into, shared by every projection of one model."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0)
+        self.native = quant_kernels.library()
+
+    def tile(self, num_rows: int, cols: int) -> torch.Tensor:
+        if self._buffer.numel() < num_rows * cols:
+            self._buffer = torch.empty(num_rows * cols)
+        return self._buffer[: num_rows * cols].view(num_rows, cols)
+
+    def dequantize(self, part: QuantizedTensor, first_row: int, num_rows: int) -> torch.Tensor:
+        """Rows first_row.. of `part` as float32 [num_rows, cols], in the shared buffer (valid until the next call)."""
+        out = self.tile(num_rows, part.cols)
+        if self.native is not None:
+            quant_kernels.dequant_rows(self.native, part.type_name, part.blocks, part.cols, out, first_row=first_row)
+        else:
+            out.copy_(part.dequantize(first_row, num_rows))
+        return out
+
+
+def _register(module: nn.Module, parts: list[Part]) -> None:
+    # Buffers so that .to() and state inspection see the blocks; names are positional.
+    for i, part in enumerate(parts):
+        module.register_buffer(f"part{i}", part.blocks if isinstance(part, QuantizedTensor) else part, persistent=False)
+
+
+class DenseLinear(nn.Linear):
+    """nn.Linear whose weight may be stored in another dtype than the activations (weights_dtype="bfloat16")."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return F.linear(x.to(w.dtype), w, None if self.bias is None else self.bias.to(w.dtype)).to(x.dtype)
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T (+ b) with W stored as row parts ([q; k; v] or [gate; up]), each quantized or dense."""
+
+    def __init__(self, parts: list[Part], bias: torch.Tensor | None, workspace: DequantWorkspace) -> None:
+        super().__init__()
+        self.parts = _merge_same_format(parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.workspace = workspace
+        self.out_features = sum(p.shape[0] for p in self.parts)
+        _register(self, self.parts)
+        # The decode path's GEMV calls, argument tuples prepared once: (type id, blocks, rows, cols, row bytes,
+        # first output column); None when a part is dense or the kernels are absent.
+        self._calls: list[tuple[int, int, int, int, int, int]] | None = None
+        if workspace.native is not None and all(isinstance(p, QuantizedTensor) for p in self.parts):
+            self._calls, start = [], 0
+            for p in self.parts:
+                self._calls.append((quant_kernels.TYPE_IDS[p.type_name], p.blocks.data_ptr(), p.rows, p.cols,
+                                    p.blocks.shape[1], start))
+                start += p.rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, out]
+        if self._calls is not None and x.dim() == 2 and 0 < x.shape[0] <= quant_kernels.MAX_X_ROWS \
+                and x.dtype == torch.float32:
+            return self._decode(x.contiguous())
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])
+        x32 = x.float().contiguous()
+        out = torch.empty(x.shape[0], self.out_features)
+        start = 0
+        for part in self.parts:
+            rows = part.shape[0]
+            self._project(part, x32, out[:, start : start + rows])
+            start += rows
+        if self.bias is not None:
+            out += self.bias
+        return out.to(x.dtype).reshape(*lead, self.out_features)
+
+    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+        """The few-rows path with nothing between the caller and the kernel but one call per part."""
+        out = torch.empty(x.shape[0], self.out_features)
+        fm_qgemv, threads = self.workspace.native.fm_qgemv, torch.get_num_threads()
+        x_ptr, num_x, x_stride, out_ptr = x.data_ptr(), x.shape[0], x.stride(0), out.data_ptr()
+        for type_id, blocks, rows, cols, row_bytes, start in self._calls:
+            if fm_qgemv(type_id, blocks, rows, cols, row_bytes, x_ptr, num_x, x_stride, out_ptr + 4 * start,
+                        self.out_features, threads) != 0:
+                raise ValueError(f"fm_qgemv refused a weight of {rows} x {cols} (type {type_id})")
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+    def _project(self, part: Part, x: torch.Tensor, out: torch.Tensor) -> None:
+        if not isinstance(part, QuantizedTensor):
+            out.copy_(F.linear(x, part.float()))
+            return
+        native = self.workspace.native
+        if x.shape[0] == 0:  # a prefill chunk whose logits are not wanted
+            return
+        if native is not None and x.shape[0] <= quant_kernels.MAX_X_ROWS:
+            quant_kernels.qgemv(native, part.type_name, part.blocks, part.cols, x, out)
+            return
+        tile_rows = max(1, TILE_ELEMENTS // part.cols)
+        for first in range(0, part.rows, tile_rows):
+            n = min(tile_rows, part.rows - first)
+            tile = self.workspace.dequantize(part, first, n)
+            if n == out.shape[1] and out.is_contiguous():  # the whole output in one GEMM, written in place
+                torch.mm(x, tile.t(), out=out)
+            else:
+                out[:, first : first + n] = x @ tile.t()
+
+    def weight_bytes(self) -> int:
+        return sum(p.num_bytes if isinstance(p, QuantizedTensor) else p.numel() * p.element_size() for p in self.parts)
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings kept as blocks; a lookup dequantizes just the rows asked for."""
+
+    def __init__(self, table: QuantizedTensor, workspace: DequantWorkspace, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.workspace = workspace
+        self.dtype = dtype
+        _register(self, [table])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [T] -> [T, hidden]
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        native = self.workspace.native
+        if native is not None:
+            out = torch.empty(flat.shape[0], self.table.cols)
+            quant_kernels.dequant_rows(native, self.table.type_name, self.table.blocks, self.table.cols, out,
+                                       row_ids=flat)
+        else:
+            out = torch.stack([self.table.dequantize(int(i), 1)[0] for i in flat]) if flat.numel() else \
+                torch.empty(0, self.table.cols)
+        return out.to(self.dtype).reshape(*ids.shape, self.table.cols)
+
+
+def _merge_same_format(parts: list[Part]) -> list[Part]:
+    """Adjacent parts of one block format become one (a single GEMV call); a dense run stays dense."""
+    merged: list[Part] = []
+    for part in parts:
+        last = merged[-1] if merged else None
+        if isinstance(part, QuantizedTensor) and isinstance(last, QuantizedTensor) \
+                and last.type_name == part.type_name and last.cols == part.cols:
+            merged[-1] = QuantizedTensor(part.type_name, torch.cat([last.blocks, part.blocks]), part.cols)
+        elif isinstance(part, torch.Tensor) and isinstance(last, torch.Tensor):
+            merged[-1] = torch.cat([last, part])
+        else:
+            merged.append(part)
+    return merged

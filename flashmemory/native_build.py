@@ -1,0 +1,75 @@
+"""Build and load a native library from C sources: compiled once per machine with the system C compiler (cached
+by source, flags, compiler and CPU), loaded through ctypes; None where it cannot be built. Shared by the KV
+cache's kernels (kvcache/native) and the model's (model/native)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+BASE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC", "-std=c11")
+
+
+def native_disabled() -> bool:
+    """FLASHMEMORY_NATIVE=0 (or false/no/off) turns every native kernel off: the torch paths run instead."""
+    return os.environ.get("FLASHMEMORY_NATIVE", "1").lower() in ("0", "false", "no", "off")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("FLASHMEMORY_CACHE_DIR") or Path.home() / ".cache" / "flashmemory"
+    return Path(root) / "native"
+
+
+def _cpu_fingerprint() -> str:
+    """What -march=native depends on: a library built on one CPU is never loaded on another."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compile(compiler: str, flags: Sequence[str], sources: Sequence[Path], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *flags, "-o", str(built), *map(str, sources), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(built, target)  # atomic: concurrent processes never load a half-written library
+
+
+def build_library(name: str, sources: Sequence[Path], flags: Sequence[str], what: str) -> ctypes.CDLL | None:
+    """The compiled library `name`, or None (with one log line naming `what` falls back) when it cannot be used."""
+    if native_disabled():
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler found: %s use the pure-torch paths (slower on CPU)", what)
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256(
+            b"".join(s.read_bytes() for s in sources) + " ".join(flags).encode() + version.encode()
+            + _cpu_fingerprint().encode()
+        ).hexdigest()[:16]
+        target = _cache_dir() / f"{name}-{key}.so"
+        if not target.is_file():
+            _compile(compiler, flags, sources, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("could not build the native kernels of %s (%s); using the pure-torch paths", what,
+                    detail.strip()[:500])
+        return None

@@ -1,0 +1,109 @@
+"""A persistent decode worker: `python -m flashmemory.tools.bench.decode_worker SPEC.json` opens one engine,
+prefills the context, then answers commands on stdin with one JSON line each on stdout:
+
+    {"cmd": "steps", "num": K}  -> {"ms": [K step times]}   K teacher-forced decode steps (the next ids)
+    {"cmd": "quit"}             -> {"peak_rss_bytes": ...}  and exits
+
+The llama.cpp worker never imports torch, so its peak RSS is llama.cpp's own (plus Python and numpy).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from flashmemory.tools.bench.rss import peak_rss_bytes
+
+REPLY_PREFIX = "DECODE-REPLY "  # marks our lines among anything a library prints to stdout
+
+
+class LlamaCppStepper:
+    """llama.cpp (llama-cpp-python) fed the ids: eval() of one token per step, f16 KV, no flash attention."""
+
+    def __init__(self, spec: dict[str, Any], num_ctx: int) -> None:
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=spec["gguf_path"], n_ctx=num_ctx, n_batch=512,
+                                   n_threads=spec["threads"], n_threads_batch=spec["threads"],
+                                   flash_attn=bool(spec.get("flash_attn", False)), logits_all=False, verbose=False)
+
+    def warm_up(self, ids: list[int]) -> None:
+        self.llm.eval(ids)
+        self.llm.reset()  # the next eval overwrites every cell
+
+    def feed(self, ids: list[int]) -> None:
+        self.llm.eval(ids)
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class FlashMemoryStepper:
+    """Our engine on one sequence, fed through the same path as teacher-forced scoring (engine/scoring.py)."""
+
+    def __init__(self, spec: dict[str, Any], num_ctx: int) -> None:
+        from flashmemory.engine.engine import FlashMemoryEngine
+
+        self.engine = FlashMemoryEngine(model_path=spec["gguf_path"], num_threads=spec["threads"],
+                                        max_seq_len=num_ctx, **spec.get("settings", {}))
+        self.seq_id = -1
+
+    def open(self) -> None:
+        self.seq_id = self.engine.core.next_seq_id()
+        self.engine.cache.add_sequence(self.seq_id)
+
+    def warm_up(self, ids: list[int]) -> None:
+        seq_id = self.engine.core.next_seq_id()
+        self.engine.cache.add_sequence(seq_id)
+        self.engine._forward(seq_id, ids)
+        self.engine._forward(seq_id, ids[:1])
+        self.engine.cache.free_sequence(seq_id, keep_cached=False)
+
+    def feed(self, ids: list[int]) -> None:
+        self.engine._forward(self.seq_id, ids)
+
+    def close(self) -> None:
+        self.engine.cache.free_sequence(self.seq_id, keep_cached=False)
+        self.engine.close()
+
+
+def _reply(payload: dict[str, Any]) -> None:
+    sys.stdout.write(REPLY_PREFIX + json.dumps(payload) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    spec = json.loads(open(args[0]).read())
+    ids = json.loads(Path(spec["ids_path"]).read_text())
+    context = spec["context_tokens"]
+    num_ctx = context + spec["max_steps"] + 16
+    stepper = (LlamaCppStepper if spec["family"] == "llama.cpp" else FlashMemoryStepper)(spec, num_ctx)
+    stepper.warm_up(ids[:16])  # kernels built, pools touched
+    if isinstance(stepper, FlashMemoryStepper):
+        stepper.open()
+    start = time.perf_counter()
+    stepper.feed(ids[:context])
+    _reply({"prefill_s": time.perf_counter() - start})
+    pos = context
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["cmd"] == "quit":
+            break
+        times = []
+        for _ in range(command["num"]):
+            t0 = time.perf_counter()
+            stepper.feed([ids[pos]])
+            times.append((time.perf_counter() - t0) * 1e3)
+            pos += 1
+        _reply({"ms": times})
+    stepper.close()
+    _reply({"peak_rss_bytes": peak_rss_bytes()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
