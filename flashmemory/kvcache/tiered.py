@@ -342,7 +342,7 @@ class TieredKVCache(KVCache):
             cand = self.reader.candidate_blocks[level]
             out[f"L{int(level)}_candidate_blocks"] = cand  # summed over decode steps, layers
             out[f"L{int(level)}_selected_fraction"] = self.reader.selected_blocks[level] / cand if cand else 0.0
-        out.update(self._selection_stats())
+        out.update(self.reader.selection_stats(s.digest for s in self.seqs.values()))
         for route, n in self.placement.bytes_moved.items():
             out[f"bytes_moved_{route}"] = n
         for level, storage in self.levels.items():
@@ -355,23 +355,6 @@ class TieredKVCache(KVCache):
         if self.device_staging is not None:
             out.update(self.device_staging.stats())
         return out
-
-    def _selection_stats(self) -> dict[str, int | float]:
-        """Query-aware selection: share of the old (L1 + L2) blocks read per decode step, its time, its digests."""
-        r = self.reader
-        candidates = sum(r.candidate_blocks.values())
-        steps = r.selection_steps
-        cfg = self.cfg
-        return {
-            "selection_steps": steps,
-            "selection_old_read_fraction": sum(r.selected_blocks.values()) / candidates if candidates else 0.0,
-            "selection_ms_per_step": r.selection_seconds / steps * 1e3 if steps else 0.0,
-            # float32 centre and radius per channel, layer and KV head: per token of history, and held now
-            "selection_digest_bytes_per_token": cfg.num_layers * cfg.num_kv_heads * 2 * cfg.head_dim * 4
-            / cfg.block_size,
-            "selection_digest_bytes": sum(s.digest.numel() * s.digest.element_size()
-                                          for s in self.seqs.values() if s.digest is not None),
-        }
 
     # ---- sessions and persistence (kvcache/sessions.py) -------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -185,6 +186,22 @@ class BlockReader:
         if source is not None:
             return source.read_layer(slots, layer, plan.seq_id, decoding)
         return self.levels[level].read_layer(slots, layer)
+
+    def selection_stats(self, digests: Iterable[torch.Tensor | None]) -> dict[str, int | float]:
+        """Query-aware selection: share of the old (L1 + L2) blocks read per decode step, its time, and the digests'
+        memory (`digests`: each live sequence's digest store)."""
+        candidates = sum(self.candidate_blocks.values())
+        steps = self.selection_steps
+        cfg = self.cfg
+        return {
+            "selection_steps": steps,
+            "selection_old_read_fraction": sum(self.selected_blocks.values()) / candidates if candidates else 0.0,
+            "selection_ms_per_step": self.selection_seconds / steps * 1e3 if steps else 0.0,
+            # float32 centre and radius per channel, layer and KV head: per token of history, and held now
+            "selection_digest_bytes_per_token": cfg.num_layers * cfg.num_kv_heads * 2 * cfg.head_dim * 4
+            / cfg.block_size,
+            "selection_digest_bytes": sum(d.numel() * d.element_size() for d in digests if d is not None),
+        }
 
 
 def _index_tensor(plan: LevelPlan) -> torch.Tensor:
