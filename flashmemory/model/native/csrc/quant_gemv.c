@@ -211,6 +211,20 @@ static float dot_q4_1(const uint8_t *w, int64_t nb, const float *x, const float 
     return hsum256(_mm256_add_ps(acc0, acc1)) + (bias0 + bias1);
 }
 
+/* Blocks that are an fp16 scale then codes: sum of scale * (codes . x) over nb blocks, two blocks a round in two
+ * accumulators. `block` is a compile-time constant at every call, so it is inlined. */
+static inline float dot_scaled_blocks(const uint8_t *w, int64_t nb, const float *x, int64_t block_bytes,
+                                      __m256 (*block)(const uint8_t *, const float *)) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 1 < nb; i += 2, w += 2 * block_bytes, x += 64) {
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), block(w, x), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w + block_bytes)), block(w + block_bytes, x + 32), acc1);
+    }
+    if (i < nb) acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), block(w, x), acc0);
+    return hsum256(_mm256_add_ps(acc0, acc1));
+}
+
 static inline __m256 q4_0_block(const uint8_t *w, const float *x) {
     const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
     const __m128i q = _mm_loadu_si128((const __m128i *)(w + 2));
@@ -220,14 +234,7 @@ static inline __m256 q4_0_block(const uint8_t *w, const float *x) {
 }
 
 static float dot_q4_0(const uint8_t *w, int64_t nb, const float *x) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 1 < nb; i += 2, w += 36, x += 64) {
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q4_0_block(w, x), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w + 18)), q4_0_block(w + 18, x + 32), acc1);
-    }
-    if (i < nb) acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q4_0_block(w, x), acc0);
-    return hsum256(_mm256_add_ps(acc0, acc1));
+    return dot_scaled_blocks(w, nb, x, 18, q4_0_block);
 }
 
 static inline __m256 q8_0_block(const uint8_t *w, const float *x) {
@@ -236,14 +243,7 @@ static inline __m256 q8_0_block(const uint8_t *w, const float *x) {
 }
 
 static float dot_q8_0(const uint8_t *w, int64_t nb, const float *x) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 1 < nb; i += 2, w += 68, x += 64) {
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q8_0_block(w, x), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w + 34)), q8_0_block(w + 34, x + 32), acc1);
-    }
-    if (i < nb) acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q8_0_block(w, x), acc0);
-    return hsum256(_mm256_add_ps(acc0, acc1));
+    return dot_scaled_blocks(w, nb, x, 34, q8_0_block);
 }
 /* Q5_0: the fifth bits (bit j of the 32-bit word: weight j) spread to bytes by a shuffle and a bit test. */
 static inline __m256 q5_0_block(const uint8_t *w, const float *x) {
@@ -264,14 +264,7 @@ static inline __m256 q5_0_block(const uint8_t *w, const float *x) {
 }
 
 static float dot_q5_0(const uint8_t *w, int64_t nb, const float *x) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 1 < nb; i += 2, w += 44, x += 64) {
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q5_0_block(w, x), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w + 22)), q5_0_block(w + 22, x + 32), acc1);
-    }
-    if (i < nb) acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q5_0_block(w, x), acc0);
-    return hsum256(_mm256_add_ps(acc0, acc1));
+    return dot_scaled_blocks(w, nb, x, 22, q5_0_block);
 }
 #else
 /* Portable: the same sums, one weight at a time. */
