@@ -49,6 +49,10 @@ class EngineConfig:
     max_gpu_memory_mb: int | None = setting(
         None, "device budget for weights + workspace + L0 KV; None = size L0 for max_num_seqs", unit="MiB", ge=1)
     active_window: int = setting(2048, "newest tokens kept in L0", unit="tokens", ge=1)
+    recent_fp16_tokens: int = setting(
+        128, "newest full-block tokens a forward attends in FP16 (kept beside the still-filling block in device "
+        "memory) instead of through their INT4 L0 copies; at most active_window; 0 = only the filling block",
+        unit="tokens", ge=0)
     warm_tokens: int = setting(16384, "tokens after the window kept in L1 (host) before moving to L2 (disk)",
                                unit="tokens", ge=0)
     semantic_truncate_threshold: float = setting(
@@ -80,7 +84,8 @@ class EngineConfig:
                                         unit="tokens", ge=1)
     selection: str = setting("quest", "quest (attend the blocks the query needs) or exact (attend all)",
                              choices=("quest", "exact"))
-    max_num_seqs: int = setting(4, "sequences alive at once (each holds a still-filling block in L0)", ge=1)
+    max_num_seqs: int = setting(4, "sequences alive at once (each holds its newest tokens unquantized in device "
+                                "memory: the still-filling block and recent_fp16_tokens)", ge=1)
     record_traces: bool = setting(
         False, "keep every decode step's block choices (per layer, KV head) for predictor training")
     prefetch_strategy: str = setting(

@@ -17,6 +17,7 @@ from flashmemory.kvcache.levels.cold_files import default_root
 from flashmemory.errors import ConfigError, HostBudgetError, MemoryBudgetError
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.config import TieredCacheConfig, level_codecs
+from flashmemory.kvcache.recent_rows import recent_capacity
 from flashmemory.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class DevicePlan:
 
     weights_bytes: int
     workspace_bytes: int
-    filling_bytes: int  # the newest, still-filling block of max_num_seqs sequences (unquantized)
+    filling_bytes: int  # the newest tokens of max_num_seqs sequences, unquantized (filling block + recent FP16)
     slot_bytes: int  # one L0 block of every layer
     device_slots: int
     device_staging_bytes: int = 0  # L1 blocks copied ahead of need (device_staging_mb)
@@ -55,7 +56,9 @@ def plan_device(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights_bytes:
     elem = torch.empty((), dtype=dtype).element_size()
     codec = level_codecs(engine_cfg.kv_precision, block_size, model_cfg.head_dim)[Level.DEVICE]
     slot_bytes = codec.nbytes((model_cfg.num_layers, model_cfg.num_kv_heads), block_size, model_cfg.head_dim)
-    filling_one = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * block_size * model_cfg.head_dim * 2
+    recent = recent_capacity(engine_cfg.recent_fp16_tokens, block_size, engine_cfg.active_window)
+    row_tokens = block_size + (recent if codec.bits < 16 else 0)
+    filling_one = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * row_tokens * model_cfg.head_dim * 2
     filling = engine_cfg.max_num_seqs * filling_one
     window_slots = engine_cfg.active_window // block_size + 1  # + the attention-sink block
     attended = engine_cfg.active_window + engine_cfg.warm_budget_tokens + block_size
@@ -75,14 +78,15 @@ def plan_device(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights_bytes:
         raise MemoryBudgetError(
             f"max_gpu_memory_mb={engine_cfg.max_gpu_memory_mb} is too small: the weights need "
             f"{weights_bytes / MIB:.0f} MiB, the activation workspace for prefill_chunk_tokens="
-            f"{engine_cfg.prefill_chunk_tokens} about {workspace / MIB:.0f} MiB, the newest blocks of "
-            f"max_num_seqs={engine_cfg.max_num_seqs} sequences {filling / MIB:.1f} MiB, the device staging area "
+            f"{engine_cfg.prefill_chunk_tokens} about {workspace / MIB:.0f} MiB, the newest tokens (the filling "
+            f"block and recent_fp16_tokens={engine_cfg.recent_fp16_tokens}) of max_num_seqs="
+            f"{engine_cfg.max_num_seqs} sequences {filling / MIB:.1f} MiB, the device staging area "
             f"(device_staging_mb) {device_staging / MIB:.1f} MiB and the hot KV window "
             f"(active_window={engine_cfg.active_window}, kv_precision={engine_cfg.kv_precision}) "
             f"{window_slots * slot_bytes / MIB:.1f} MiB: {needed / MIB:.0f} MiB in all. "
             f"The largest active_window that fits is {max_window} tokens (an exact FP16 cache would fit "
             f"{exact_fit} tokens of context). Raise max_gpu_memory_mb to at least {-(-needed // MIB)}, or lower "
-            "active_window, prefill_chunk_tokens, max_num_seqs or device_staging_mb."
+            "active_window, prefill_chunk_tokens, recent_fp16_tokens, max_num_seqs or device_staging_mb."
         )
     return DevicePlan(weights_bytes, workspace, filling, slot_bytes, int(slots), device_staging)
 
@@ -111,6 +115,7 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
         selection=engine_cfg.selection,
         kv_precision=engine_cfg.kv_precision,
         max_num_seqs=engine_cfg.max_num_seqs,
+        recent_fp16_tokens=engine_cfg.recent_fp16_tokens,
         cold_zone_enabled=engine_cfg.cold_zone_enabled,
         cold_zone_dir=engine_cfg.cold_zone_dir,
         model_fingerprint=hashlib.sha256(fingerprint_source.encode()).digest()[:16],

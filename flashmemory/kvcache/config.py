@@ -44,7 +44,8 @@ class TieredCacheConfig:
     selection: str = "quest"  # "quest" (query-aware) or "exact" (attend everything)
     kv_precision: str = "mixed"  # "fp16" | "int4" | "mixed"
     num_sink_blocks: int = 1  # first blocks pinned to L0 (attention sinks)
-    max_num_seqs: int = 16  # sequences alive at once (each owns a filling-block row in device memory)
+    max_num_seqs: int = 16  # sequences alive at once (each owns a row of its newest tokens in device memory)
+    recent_fp16_tokens: int = 0  # newest full-block tokens (<= active_window) attended FP16 from that row, not INT4
     cold_zone_enabled: bool = True
     cold_zone_dir: str | None = None
     model_fingerprint: bytes = b""

@@ -14,9 +14,10 @@ from flashmemory.kvcache.read.plan import LevelPlan
 class SequenceKV:
     """Owns a sequence's still-filling block row, its key digests and the keys/values of the forward in flight."""
 
-    filling_row: int  # row of the cache's filling-block arena holding the newest, not yet full block
+    filling_row: int  # row of the cache's RecentRows arena: the newest full blocks kept FP16 and the filling block
     num_tokens: int = 0  # committed tokens (full blocks + the filling block)
-    num_filling: int = 0  # tokens in the filling block
+    num_filling: int = 0  # tokens in the row: the recent full blocks' and the filling block's
+    num_recent: int = 0  # of those, tokens of full blocks (already written to the levels; attended from the row)
     digest: torch.Tensor | None = None  # [num_layers, num_kv_heads, capacity_blocks, 2 * head_dim] (key_digest)
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer, this forward
     plan: dict[Level, LevelPlan] | None = None  # built at layer 0 of a forward, dropped at commit

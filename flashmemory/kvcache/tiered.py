@@ -2,10 +2,10 @@
 
 The composition root of the hierarchy. Every full block gets an FP16 master copy in L1 when it is written, plus an
 L0 copy while it is hot (attention sinks, pinned spans, the last `active_window` tokens); where each block lives
-afterwards is the PlacementPolicy's rule, carried out by Placement. Decode steps attend to all of L0, the newest
-still-filling block (never quantized), and the blocks of L1 and L2 that the BlockReader's query-aware choice
-picks per layer and KV head, through the selected AttentionBackend. Prefetch, when configured, plugs into the read
-path as a choice observer and as a read-ahead source for L1 / L2.
+afterwards is the PlacementPolicy's rule, carried out by Placement. Decode steps attend to all of L0 (its newest
+blocks through the FP16 copies RecentRows keeps, with the still-filling block), and the blocks of L1 and L2 that
+the BlockReader's query-aware choice picks per layer and KV head, through the selected AttentionBackend.
+Prefetch, when configured, plugs into the read path as a choice observer and as a read-ahead source for L1 / L2.
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ from flashmemory.kvcache.prefetch.prefetcher import Prefetcher
 from flashmemory.kvcache.read.choice import ChoiceObserver
 from flashmemory.kvcache.read.reader import BlockReader
 from flashmemory.kvcache.read.selection import key_digest
+from flashmemory.kvcache.recent_rows import RecentRows, recent_capacity
 from flashmemory.kvcache.sequence_state import SequenceKV
 
 
 class TieredKVCache(KVCache):
-    """Owns the levels, the block tables, the per-sequence state and the filling-block arena; composes placement,
+    """Owns the levels, the block tables, the per-sequence state and the recent-token rows; composes placement,
     the read path, the attention backend and (optionally) prefetch."""
 
     def __init__(self, cfg: TieredCacheConfig) -> None:
@@ -56,10 +57,12 @@ class TieredKVCache(KVCache):
         self.choice_observers: list[ChoiceObserver] = []
         self.reader = BlockReader(cfg, self.blocks, self.levels, self.codecs, self.choice_observers)
         self.attention: AttentionBackend = select_backend(cfg.attention_backend, cfg)
-        # The newest, still-filling block of each sequence: unquantized, in device memory.
-        self.filling = torch.zeros((cfg.max_num_seqs, 2, cfg.num_layers, cfg.num_kv_heads, cfg.block_size,
-                                    cfg.head_dim), dtype=KV_DTYPE, device=cfg.device)
-        self._free_rows = list(range(cfg.max_num_seqs))
+        # The newest tokens of each sequence, unquantized in device memory: the still-filling block and the last
+        # recent_fp16_tokens of full blocks (attended here instead of through their INT4 L0 copies).
+        recent = recent_capacity(cfg.recent_fp16_tokens, cfg.block_size, cfg.active_window) \
+            if self.codecs[Level.DEVICE].bits < 16 else 0
+        self.rows = RecentRows(cfg.max_num_seqs, cfg.num_layers, cfg.num_kv_heads, cfg.block_size, cfg.head_dim,
+                               recent, cfg.device)
         self.seqs: dict[int, SequenceKV] = {}
         self.trace: TraceRecorder | None = None
         if cfg.record_traces:
@@ -116,19 +119,16 @@ class TieredKVCache(KVCache):
     def add_sequence(self, seq_id: int) -> None:
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} already exists")
-        if not self._free_rows:
-            raise CapacityError(
-                f"{self.cfg.max_num_seqs} sequences are already alive (max_num_seqs); finish one or raise max_num_seqs"
-            )
+        row = self.rows.take()
         self.blocks.add_sequence(seq_id)
-        self.seqs[seq_id] = SequenceKV(filling_row=self._free_rows.pop())
+        self.seqs[seq_id] = SequenceKV(filling_row=row)
 
     def free_sequence(self, seq_id: int, keep_cached: bool = True) -> None:
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             return
         self.placement.release(seq_id, keep_cached)
-        self._free_rows.append(seq.filling_row)
+        self.rows.give_back(seq.filling_row)
         if self.prefetcher is not None:
             self.prefetcher.forget(seq_id)
 
@@ -145,6 +145,11 @@ class TieredKVCache(KVCache):
         self.placement.restore(seq_id, len(found))
         for i, entry in enumerate(found):
             seq.record_digest(i, self._digest_of(entry))
+        # The newest reused blocks go into the row as a prefill would have left them (FP16, attended from there).
+        recent = found[len(found) - self.rows.recent // self.cfg.block_size :] if self.rows.recent else []
+        if recent:
+            kv = torch.stack([self._block_kv(entry) for entry in recent])  # [blocks, 2, L, heads, bs, D]
+            self.rows.load(seq, kv.movedim(0, 3).flatten(3, 4))
         n = len(found) * self.cfg.block_size
         seq.num_tokens = n
         seq.token_ids = list(token_ids[:n])
@@ -160,9 +165,14 @@ class TieredKVCache(KVCache):
         return self._computed_digest(block)
 
     def _computed_digest(self, block: BlockEntry) -> torch.Tensor:
+        return key_digest(self._block_kv(block)[0])
+
+    def _block_kv(self, block: BlockEntry) -> torch.Tensor:
+        """A block's keys and values [2, num_layers, num_kv_heads, block_size, head_dim] (KV_DTYPE, on the cache's
+        device) from its most precise copy."""
         level = next((lv for lv in (Level.HOST, Level.DEVICE, Level.DISK) if lv in block.slots))
         kv = self.codecs[level].decode(self.levels[level].read_block(block.slots[level]), KV_DTYPE)
-        return key_digest(kv[0].to(self.cfg.device))
+        return kv.to(self.cfg.device)
 
     def sequence_ids(self) -> list[int]:
         return list(self.seqs)
@@ -203,7 +213,7 @@ class TieredKVCache(KVCache):
         new_k = k.transpose(0, 1).to(KV_DTYPE)  # [num_kv_heads, n, head_dim]
         new_v = v.transpose(0, 1).to(KV_DTYPE)
         seq.pending.append((new_k, new_v))
-        filling = self.filling[seq.filling_row, :, layer, :, : seq.num_filling]  # [2, num_kv_heads, m, head_dim]
+        filling = self.rows.layer_view(seq, layer)  # [2, num_kv_heads, m, head_dim]: the recent blocks and filling
         decoding = s.num_new_tokens == 1
         quest = self.cfg.selection == "quest"
         selecting = decoding and quest
@@ -255,29 +265,20 @@ class TieredKVCache(KVCache):
         # Every token of the sequence after this commit, while all are known (they name full blocks).
         if seq.token_ids is not None:
             seq.token_ids = None if s.token_ids is None else seq.token_ids + list(s.token_ids)
-        filling = self.filling[seq.filling_row, :, :, :, : seq.num_filling]  # [2, L, heads, m, D]
         new_k = torch.stack([pk for pk, _ in seq.pending])  # [L, heads, n, D]
         new_v = torch.stack([pv for _, pv in seq.pending])
         seq.pending.clear()
-        all_k = torch.cat((filling[0], new_k), dim=2)
-        all_v = torch.cat((filling[1], new_v), dim=2)
-        total = all_k.shape[2]
-        full = total // bs
+        done = self.rows.append(seq, new_k, new_v)
         # KV a decode step computed under approximate reads (INT4 window, selection) differs from what a prefill
         # of the same tokens computes (it reads FP16 copies): such blocks are not offered to the prefix cache, so a
         # reused prefix is what a fresh prefill would have written.
         decoded = s.num_new_tokens == 1 and self._approximate_decode
-        first_new = seq.num_filling
-        for b in range(full):
-            tainted = (b == 0 and seq.filling_decoded) or (decoded and (b + 1) * bs > first_new)
-            self._write_block(s.seq_id, all_k[:, :, b * bs : (b + 1) * bs], all_v[:, :, b * bs : (b + 1) * bs],
-                              nameable=not tainted)
-        rest = total - full * bs
-        seq.filling_decoded = rest > 0 and (decoded or (full == 0 and seq.filling_decoded))
-        if rest:
-            self.filling[seq.filling_row, 0, :, :, :rest] = all_k[:, :, full * bs :]
-            self.filling[seq.filling_row, 1, :, :, :rest] = all_v[:, :, full * bs :]
-        seq.num_filling = rest
+        for b in range(done.num_blocks):
+            tainted = (b == 0 and seq.filling_decoded) or (decoded and (b + 1) * bs > done.old_partial)
+            self._write_block(s.seq_id, done.full_k[:, :, b * bs : (b + 1) * bs],
+                              done.full_v[:, :, b * bs : (b + 1) * bs], nameable=not tainted)
+        rest = seq.num_filling - seq.num_recent
+        seq.filling_decoded = rest > 0 and (decoded or (done.num_blocks == 0 and seq.filling_decoded))
         seq.num_tokens += s.num_new_tokens
         self.placement.place(s.seq_id)
 
@@ -309,7 +310,7 @@ class TieredKVCache(KVCache):
     def device_bytes_used(self) -> int:
         """Bytes of KV held in device memory now: L0 slots in use, the filling blocks of live sequences and the L1
         blocks staged on the device ahead of need."""
-        row = self.filling[0].numel() * self.filling.element_size()
+        row = self.rows.row_bytes
         cached = self.prefix_cache.unused_copies()[Level.DEVICE] if self.prefix_cache is not None else 0
         used = (self.blocks.allocators[Level.DEVICE].num_used - cached) * self.device_pool.bytes_per_slot
         ahead = self.device_staging.stats()["device_staging_bytes"] if self.device_staging is not None else 0
@@ -317,7 +318,7 @@ class TieredKVCache(KVCache):
 
     def device_bytes_capacity(self) -> int:
         ahead = self.device_staging.area.numel() if self.device_staging is not None else 0
-        return self.device_pool.capacity_bytes + self.filling.numel() * self.filling.element_size() + ahead
+        return self.device_pool.capacity_bytes + self.rows.nbytes + ahead
 
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {
