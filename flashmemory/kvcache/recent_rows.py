@@ -1,9 +1,10 @@
-"""RecentRows: every live sequence's newest tokens, unquantized (FP16) in device memory.
+"""RecentRows: every live sequence's newest tokens (and its attention sinks), unquantized (FP16) in device memory.
 
-A row holds the still-filling block and, when `recent_tokens` > 0, the last full blocks as well. Those blocks
-are written to the levels like any other (an INT4 L0 copy, the FP16 L1 master, names for the prefix cache), but
-a forward attends them here, in FP16, instead of through their INT4 L0 copy: the newest tokens are the ones a
-step attends most, so they are the ones rounding hurts most (KIVI keeps such a full-precision residual too).
+A row holds the still-filling block and, when `recent_tokens` > 0, the last full blocks and the attention-sink
+blocks as well. Those blocks are written to the levels like any other (an INT4 L0 copy, the FP16 L1 master,
+names for the prefix cache), but a forward attends them here, in FP16, instead of through their INT4 L0 copy:
+the newest tokens and the sinks are the ones a step attends most, so they are the ones rounding hurts most
+(KIVI keeps such a full-precision residual of recent tokens).
 """
 
 from __future__ import annotations
@@ -34,15 +35,17 @@ def recent_capacity(recent_tokens: int, block_size: int, active_window: int) -> 
 
 
 class RecentRows:
-    """Owns the arena of rows [max_num_seqs, 2, num_layers, heads, recent + block_size, head_dim] and which are free."""
+    """Owns the arena of rows [max_num_seqs, 2, num_layers, heads, sink + recent + block_size, head_dim] and which are
+    free. A row holds, oldest first: the attention-sink blocks once full (`sink` tokens), the newest full blocks
+    (up to `recent` tokens), then the still-filling block."""
 
     def __init__(self, max_num_seqs: int, num_layers: int, num_kv_heads: int, block_size: int, head_dim: int,
-                 recent_tokens: int, device: torch.device) -> None:
-        """recent_tokens: full-block tokens kept (a multiple of block_size; see `recent_capacity`)."""
+                 recent_tokens: int, sink_tokens: int, device: torch.device) -> None:
+        """recent_tokens, sink_tokens: full-block tokens kept (multiples of block_size; see `recent_capacity`)."""
         self.block_size = block_size
-        self.recent = recent_tokens
-        self.arena = torch.zeros((max_num_seqs, 2, num_layers, num_kv_heads, self.recent + block_size, head_dim),
-                                 dtype=KV_DTYPE, device=device)
+        self.recent, self.sink = recent_tokens, sink_tokens
+        self.arena = torch.zeros((max_num_seqs, 2, num_layers, num_kv_heads, sink_tokens + recent_tokens + block_size,
+                                  head_dim), dtype=KV_DTYPE, device=device)
         self._free = list(range(max_num_seqs))
 
     # ---- rows -------------------------------------------------------------------------------------------------
@@ -57,7 +60,7 @@ class RecentRows:
         self._free.append(row)
 
     def layer_view(self, seq: SequenceKV, layer: int) -> torch.Tensor:
-        """The sequence's row for one layer: [2, heads, num_filling, head_dim], oldest token first."""
+        """The sequence's row for one layer: [2, heads, num_filling, head_dim] (sink, recent, filling)."""
         return self.arena[seq.filling_row, :, layer, :, : seq.num_filling]
 
     @property
@@ -68,23 +71,27 @@ class RecentRows:
     def nbytes(self) -> int:
         return self.arena.numel() * self.arena.element_size()
 
-    def load(self, seq: SequenceKV, kv: torch.Tensor) -> None:
-        """Fill an empty sequence's row with the full blocks it starts with (a reused prefix's newest blocks):
-        kv [2, num_layers, heads, tokens, head_dim], tokens a multiple of block_size, at most the row's recent."""
-        tokens = kv.shape[3]
-        if seq.num_filling or tokens % self.block_size or tokens > self.recent:
-            raise ValueError(f"cannot load {tokens} tokens into a row holding {seq.num_filling} (recent {self.recent})")
-        self.arena[seq.filling_row, :, :, :, :tokens] = kv
-        seq.num_filling = seq.num_recent = tokens
+    def load(self, seq: SequenceKV, sink: torch.Tensor, recent: torch.Tensor) -> None:
+        """Fill an empty sequence's row with the full blocks it starts with (a reused prefix's sink and newest
+        blocks): each [2, num_layers, heads, tokens, head_dim], whole blocks, within the row's sink and recent."""
+        ns, nr = sink.shape[3], recent.shape[3]
+        if seq.num_filling or ns % self.block_size or nr % self.block_size or ns > self.sink or nr > self.recent:
+            raise ValueError(f"cannot load {ns} + {nr} tokens into a row holding {seq.num_filling} "
+                             f"(sink {self.sink}, recent {self.recent})")
+        self.arena[seq.filling_row, :, :, :, :ns] = sink
+        self.arena[seq.filling_row, :, :, :, ns : ns + nr] = recent
+        seq.num_sink, seq.num_recent, seq.num_filling = ns, nr, ns + nr
 
     # ---- commit -----------------------------------------------------------------------------------------------
 
-    def append(self, seq: SequenceKV, new_k: torch.Tensor, new_v: torch.Tensor) -> RowAppend:
-        """Add a forward's keys and values [num_layers, heads, n, head_dim] to the sequence's row; returns the blocks
-        they completed. The row keeps the newest `recent` full-block tokens and the rest of a block."""
+    def append(self, seq: SequenceKV, new_k: torch.Tensor, new_v: torch.Tensor, blocks_before: int) -> RowAppend:
+        """Add a forward's keys and values [num_layers, heads, n, head_dim] to the sequence's row (which has
+        `blocks_before` full blocks); returns the blocks they completed. Completed sink blocks stay in the row for
+        good; of the others the row keeps the newest `recent` tokens' worth, and the rest of a block."""
         bs, row = self.block_size, self.arena[seq.filling_row]
         n = new_k.shape[2]
-        old_partial = seq.num_filling - seq.num_recent
+        base = seq.num_sink
+        old_partial = seq.num_filling - base - seq.num_recent
         full = (old_partial + n) // bs
         if full == 0:  # the common decode step: the token goes into place
             row[0, :, :, seq.num_filling : seq.num_filling + n] = new_k
@@ -92,15 +99,20 @@ class RecentRows:
             seq.num_filling += n
             empty = new_k[:, :, :0]
             return RowAppend(empty, empty, 0, old_partial)
-        all_k = torch.cat((row[0, :, :, : seq.num_filling], new_k), dim=2)
-        all_v = torch.cat((row[1, :, :, : seq.num_filling], new_v), dim=2)
-        start = seq.num_recent
-        total = all_k.shape[2]
+        region_k = torch.cat((row[0, :, :, base : seq.num_filling], new_k), dim=2)  # [recent | partial | new]
+        region_v = torch.cat((row[1, :, :, base : seq.num_filling], new_v), dim=2)
+        start, total = seq.num_recent, region_k.shape[2]
+        # Completed blocks that are sink blocks (only while no recent block exists yet: start == 0).
+        sinks = max(0, min(full, self.sink // bs - blocks_before))
+        if sinks:
+            row[0, :, :, base : base + sinks * bs] = region_k[:, :, start : start + sinks * bs]
+            row[1, :, :, base : base + sinks * bs] = region_v[:, :, start : start + sinks * bs]
+            base += sinks * bs
         rest = total - start - full * bs
-        keep_recent = min(self.recent, start + full * bs)
+        keep_recent = min(self.recent, start + (full - sinks) * bs)
         keep = keep_recent + rest
-        row[0, :, :, :keep] = all_k[:, :, total - keep :]
-        row[1, :, :, :keep] = all_v[:, :, total - keep :]
-        seq.num_filling, seq.num_recent = keep, keep_recent
-        return RowAppend(all_k[:, :, start : start + full * bs], all_v[:, :, start : start + full * bs], full,
-                         old_partial)
+        row[0, :, :, base : base + keep] = region_k[:, :, total - keep :]
+        row[1, :, :, base : base + keep] = region_v[:, :, total - keep :]
+        seq.num_sink, seq.num_recent, seq.num_filling = base, keep_recent, base + keep
+        done = slice(start, start + full * bs)
+        return RowAppend(region_k[:, :, done], region_v[:, :, done], full, old_partial)

@@ -16,8 +16,9 @@ class SequenceKV:
 
     filling_row: int  # row of the cache's RecentRows arena: the newest full blocks kept FP16 and the filling block
     num_tokens: int = 0  # committed tokens (full blocks + the filling block)
-    num_filling: int = 0  # tokens in the row: the recent full blocks' and the filling block's
-    num_recent: int = 0  # of those, tokens of full blocks (already written to the levels; attended from the row)
+    num_filling: int = 0  # tokens in the row: the sink blocks', the recent full blocks' and the filling block's
+    num_recent: int = 0  # of those, tokens of the newest full blocks (written to the levels; attended from the row)
+    num_sink: int = 0  # of those, tokens of the attention-sink blocks (likewise)
     digest: torch.Tensor | None = None  # [num_layers, num_kv_heads, capacity_blocks, 2 * head_dim] (key_digest)
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer, this forward
     plan: dict[Level, LevelPlan] | None = None  # built at layer 0 of a forward, dropped at commit

@@ -57,12 +57,12 @@ class TieredKVCache(KVCache):
         self.choice_observers: list[ChoiceObserver] = []
         self.reader = BlockReader(cfg, self.blocks, self.levels, self.codecs, self.choice_observers)
         self.attention: AttentionBackend = select_backend(cfg.attention_backend, cfg)
-        # The newest tokens of each sequence, unquantized in device memory: the still-filling block and the last
-        # recent_fp16_tokens of full blocks (attended here instead of through their INT4 L0 copies).
-        recent = recent_capacity(cfg.recent_fp16_tokens, cfg.block_size, cfg.active_window) \
-            if self.codecs[Level.DEVICE].bits < 16 else 0
+        # The newest tokens of each sequence, unquantized in device memory: the still-filling block and, with
+        # recent_fp16_tokens, the last full blocks and the sink blocks (attended here, not through INT4 L0 copies).
+        fp16_row = self.codecs[Level.DEVICE].bits < 16 and cfg.recent_fp16_tokens > 0
+        recent = recent_capacity(cfg.recent_fp16_tokens, cfg.block_size, cfg.active_window) if fp16_row else 0
         self.rows = RecentRows(cfg.max_num_seqs, cfg.num_layers, cfg.num_kv_heads, cfg.block_size, cfg.head_dim,
-                               recent, cfg.device)
+                               recent, cfg.num_sink_blocks * cfg.block_size if fp16_row else 0, cfg.device)
         self.seqs: dict[int, SequenceKV] = {}
         self.trace: TraceRecorder | None = None
         if cfg.record_traces:
@@ -107,7 +107,8 @@ class TieredKVCache(KVCache):
         self.prefetcher = prefetcher
         if prefetcher is not None:
             self.choice_observers.append(prefetcher)
-        self.reader.use_read_through(Level.DISK, prefetcher if prefetcher is not None and self.disk_pool is not None else None)
+        through = prefetcher if prefetcher is not None and self.disk_pool is not None else None
+        self.reader.use_read_through(Level.DISK, through)
         return previous
 
     def use_attention_backend(self, name: str) -> None:
@@ -145,11 +146,10 @@ class TieredKVCache(KVCache):
         self.placement.restore(seq_id, len(found))
         for i, entry in enumerate(found):
             seq.record_digest(i, self._digest_of(entry))
-        # The newest reused blocks go into the row as a prefill would have left them (FP16, attended from there).
-        recent = found[len(found) - self.rows.recent // self.cfg.block_size :] if self.rows.recent else []
-        if recent:
-            kv = torch.stack([self._block_kv(entry) for entry in recent])  # [blocks, 2, L, heads, bs, D]
-            self.rows.load(seq, kv.movedim(0, 3).flatten(3, 4))
+        # The sink and newest reused blocks go into the row as a prefill would have left them (FP16, read there).
+        sinks = min(len(found), self.rows.sink // self.cfg.block_size)
+        recent = found[max(sinks, len(found) - self.rows.recent // self.cfg.block_size) :] if self.rows.recent else []
+        self.rows.load(seq, self._blocks_kv(found[:sinks]), self._blocks_kv(recent))
         n = len(found) * self.cfg.block_size
         seq.num_tokens = n
         seq.token_ids = list(token_ids[:n])
@@ -165,14 +165,16 @@ class TieredKVCache(KVCache):
         return self._computed_digest(block)
 
     def _computed_digest(self, block: BlockEntry) -> torch.Tensor:
-        return key_digest(self._block_kv(block)[0])
+        return key_digest(self._blocks_kv([block])[0])
 
-    def _block_kv(self, block: BlockEntry) -> torch.Tensor:
-        """A block's keys and values [2, num_layers, num_kv_heads, block_size, head_dim] (KV_DTYPE, on the cache's
-        device) from its most precise copy."""
-        level = next((lv for lv in (Level.HOST, Level.DEVICE, Level.DISK) if lv in block.slots))
-        kv = self.codecs[level].decode(self.levels[level].read_block(block.slots[level]), KV_DTYPE)
-        return kv.to(self.cfg.device)
+    def _blocks_kv(self, blocks: list[BlockEntry]) -> torch.Tensor:
+        """Blocks' keys and values side by side, [2, num_layers, num_kv_heads, len(blocks) * block_size, head_dim]
+        (KV_DTYPE, on the cache's device), each from its most precise copy."""
+        kv = [self.rows.arena.new_empty((2, self.cfg.num_layers, self.cfg.num_kv_heads, 0, self.cfg.head_dim))]
+        for block in blocks:
+            level = next((lv for lv in (Level.HOST, Level.DEVICE, Level.DISK) if lv in block.slots))
+            kv.append(self.codecs[level].decode(self.levels[level].read_block(block.slots[level]), KV_DTYPE))
+        return torch.cat([t.to(self.cfg.device) for t in kv], dim=3)
 
     def sequence_ids(self) -> list[int]:
         return list(self.seqs)
@@ -268,7 +270,7 @@ class TieredKVCache(KVCache):
         new_k = torch.stack([pk for pk, _ in seq.pending])  # [L, heads, n, D]
         new_v = torch.stack([pv for _, pv in seq.pending])
         seq.pending.clear()
-        done = self.rows.append(seq, new_k, new_v)
+        done = self.rows.append(seq, new_k, new_v, len(self.blocks.tables[s.seq_id].blocks))
         # KV a decode step computed under approximate reads (INT4 window, selection) differs from what a prefill
         # of the same tokens computes (it reads FP16 copies): such blocks are not offered to the prefix cache, so a
         # reused prefix is what a fresh prefill would have written.
@@ -277,7 +279,7 @@ class TieredKVCache(KVCache):
             tainted = (b == 0 and seq.filling_decoded) or (decoded and (b + 1) * bs > done.old_partial)
             self._write_block(s.seq_id, done.full_k[:, :, b * bs : (b + 1) * bs],
                               done.full_v[:, :, b * bs : (b + 1) * bs], nameable=not tainted)
-        rest = seq.num_filling - seq.num_recent
+        rest = seq.num_filling - seq.num_sink - seq.num_recent
         seq.filling_decoded = rest > 0 and (decoded or (done.num_blocks == 0 and seq.filling_decoded))
         seq.num_tokens += s.num_new_tokens
         self.placement.place(s.seq_id)

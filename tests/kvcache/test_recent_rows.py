@@ -14,10 +14,10 @@ from tests.kvcache.test_tiered_synthetic import _forward_with_tokens
 LAYERS, HEADS, BS, DIM = 2, 3, 4, 5
 
 
-@pytest.mark.parametrize("recent", [0, 3, 8, 12])
-def test_a_row_keeps_the_newest_tokens_and_hands_out_every_full_block_once_in_order(recent):
+@pytest.mark.parametrize("recent, sink", [(0, 0), (3, 0), (8, 4), (12, 8), (12, 0)])
+def test_a_row_keeps_the_sinks_and_newest_tokens_and_hands_out_every_full_block_once_in_order(recent, sink):
     cap = recent_capacity(recent, BS, active_window=1000)
-    rows = RecentRows(2, LAYERS, HEADS, BS, DIM, cap, torch.device("cpu"))
+    rows = RecentRows(2, LAYERS, HEADS, BS, DIM, cap, sink, torch.device("cpu"))
     seq = SequenceKV(filling_row=rows.take())
     g = torch.Generator().manual_seed(recent)
     stream_k, stream_v, written = [], [], []
@@ -25,24 +25,29 @@ def test_a_row_keeps_the_newest_tokens_and_hands_out_every_full_block_once_in_or
         k, v = torch.randn(2, LAYERS, HEADS, n, DIM, generator=g).half()
         stream_k.append(k)
         stream_v.append(v)
-        done = rows.append(seq, k, v)
+        blocks_before = sum(w.shape[2] for w in written) // BS
+        done = rows.append(seq, k, v, blocks_before)
         written.append(done.full_k)
         assert done.full_v.shape == done.full_k.shape and done.full_k.shape[2] == done.num_blocks * BS
         all_k, all_v = torch.cat(stream_k, dim=2), torch.cat(stream_v, dim=2)
         total = all_k.shape[2]
-        assert seq.num_recent == min(cap, total // BS * BS)
-        assert seq.num_filling == seq.num_recent + total % BS
+        full = total // BS * BS
+        assert seq.num_sink == min(sink, full)
+        assert seq.num_recent == min(cap, full - seq.num_sink)
+        assert seq.num_filling == seq.num_sink + seq.num_recent + total % BS
+        tail = seq.num_filling - seq.num_sink  # the recent blocks and the filling block: the newest tokens
         for layer in range(LAYERS):
             view = rows.layer_view(seq, layer)
-            assert torch.equal(view[0], all_k[layer, :, total - seq.num_filling :])
-            assert torch.equal(view[1], all_v[layer, :, total - seq.num_filling :])
+            for i, stream in enumerate((all_k, all_v)):
+                assert torch.equal(view[i], torch.cat((stream[layer, :, : seq.num_sink],
+                                                       stream[layer, :, total - tail :]), dim=1))
     blocks = torch.cat(written, dim=2)
     assert torch.equal(blocks, all_k[:, :, : total // BS * BS])  # every full block once, oldest first
 
 
 def test_rows_are_counted_and_run_out_with_a_clear_error():
-    rows = RecentRows(1, LAYERS, HEADS, BS, DIM, recent_capacity(8, BS, 16), torch.device("cpu"))
-    assert rows.row_bytes == 2 * LAYERS * HEADS * (8 + BS) * DIM * 2 == rows.nbytes
+    rows = RecentRows(1, LAYERS, HEADS, BS, DIM, recent_capacity(8, BS, 16), BS, torch.device("cpu"))
+    assert rows.row_bytes == 2 * LAYERS * HEADS * (BS + 8 + BS) * DIM * 2 == rows.nbytes
     rows.take()
     with pytest.raises(Exception, match="max_num_seqs"):
         rows.take()
@@ -67,12 +72,12 @@ def _decode_error(recent: int, tmp_path, window: int = 16) -> float:
     return ((decoded - reference).norm() / reference.norm()).item()
 
 
-def test_the_recent_tokens_are_attended_in_fp16_instead_of_their_int4_copies(tmp_path):
+def test_the_sink_and_recent_tokens_are_attended_in_fp16_instead_of_their_int4_copies(tmp_path):
     lossy = _decode_error(0, tmp_path)
     assert lossy > 1e-3  # the INT4 window and sink are in the answer
-    assert _decode_error(8, tmp_path) < lossy  # the newest block of the 16-token window read FP16
-    assert _decode_error(96, tmp_path) == pytest.approx(_decode_error(16, tmp_path), rel=1e-6)  # at most the window
-    assert _decode_error(96, tmp_path, window=96) < 1e-5  # every token in the row: exact up to fp16 storage
+    assert 1e-5 < _decode_error(8, tmp_path) < lossy  # the sink and the window's newest block read FP16
+    assert _decode_error(16, tmp_path) < 1e-5  # the sink and the whole 16-token window: exact up to fp16 storage
+    assert _decode_error(96, tmp_path) < 1e-5  # (at most the window's blocks are kept)
 
 
 def test_recent_blocks_still_reach_every_level_and_the_prefix_cache(tmp_path):
@@ -82,11 +87,12 @@ def test_recent_blocks_still_reach_every_level_and_the_prefix_cache(tmp_path):
     batch_tokens = list(range(1000, 1060))
     _forward_with_tokens(seq, cache, batch_tokens, 0, 60)
     assert len(cache.blocks.tables[0].blocks) == 60 // 8  # full blocks written although the last two are in the row
-    assert cache.seqs[0].num_recent == 16 and cache.seqs[0].num_filling == 16 + 60 % 8
+    row = cache.seqs[0]
+    assert (row.num_sink, row.num_recent, row.num_filling) == (8, 16, 8 + 16 + 60 % 8)  # sink block, 2 recent
     cache.free_sequence(0)
     cache.add_sequence(1)
     assert cache.reuse_prefix(1, batch_tokens) == 56  # prefilled blocks are reusable, row or not
-    assert cache.device_bytes_capacity() >= cache.rows.nbytes == 3 * 2 * 2 * 2 * (16 + 8) * 16 * 2
+    assert cache.device_bytes_capacity() >= cache.rows.nbytes == 3 * 2 * 2 * 2 * (8 + 16 + 8) * 16 * 2
     cache.close()
 
 

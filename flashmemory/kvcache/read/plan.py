@@ -32,16 +32,19 @@ def primary_copy(block: BlockEntry) -> Level:
 
 def plan_reads(seq_id: int, table: BlockTable, num_tokens: int, digest: torch.Tensor | None,
                devices: dict[Level, torch.device], with_digest: bool,
-               copy_of: Callable[[BlockEntry], Level] = primary_copy, skip_newest: int = 0) -> dict[Level, LevelPlan]:
+               copy_of: Callable[[BlockEntry], Level] = primary_copy, skip_oldest: int = 0,
+               skip_newest: int = 0) -> dict[Level, LevelPlan]:
     """Per level, the blocks a forward reads from it: each block from the copy `copy_of` picks.
 
     devices: where each level's slot numbers are used (the pool's device; the CPU for a file).
     digest: the sequence's key digests [num_layers, num_kv_heads, capacity_blocks, 2 * head_dim], sliced for
     selection when `with_digest` (decode steps of query-aware selection).
-    skip_newest: the newest full blocks no level is read for (the forward attends them elsewhere).
+    skip_oldest, skip_newest: the first and the newest full blocks no level is read for (the forward attends them
+    elsewhere).
     """
     by_level: dict[Level, list[int]] = {level: [] for level in devices}
-    for i, block in enumerate(table.blocks[: len(table.blocks) - skip_newest]):
+    for i in range(skip_oldest, len(table.blocks) - skip_newest):
+        block = table.blocks[i]
         if block.slots:
             by_level[copy_of(block)].append(i)
     plans = {}

@@ -84,11 +84,12 @@ class BlockReader:
 
         A decode step reads each block's fastest copy. A prefill chunk reads the exact (FP16) copy wherever a
         block has one, so a prompt's KV does not depend on where the scheduler split its prefill (only blocks
-        already moved to a lossy L2 are read lossy). The sequence's recent full blocks are attended from its
-        row (FP16), so no level reads them."""
+        already moved to a lossy L2 are read lossy). The sequence's sink and recent full blocks are attended
+        from its row (FP16), so no level reads them."""
         copy_of = primary_copy if decoding else self._exact_copy
         return plan_reads(seq_id, self.blocks.tables[seq_id], seq.num_tokens, seq.digest, self._devices, with_digest,
-                          copy_of, skip_newest=seq.num_recent // self.cfg.block_size)
+                          copy_of, skip_oldest=seq.num_sink // self.cfg.block_size,
+                          skip_newest=seq.num_recent // self.cfg.block_size)
 
     def _exact_copy(self, block: BlockEntry) -> Level:
         """The fastest copy stored without loss (FP16), else the fastest."""
