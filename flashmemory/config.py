@@ -50,9 +50,9 @@ class EngineConfig:
         None, "device budget for weights + workspace + L0 KV; None = size L0 for max_num_seqs", unit="MiB", ge=1)
     active_window: int = setting(2048, "newest tokens kept in L0", unit="tokens", ge=1)
     recent_fp16_tokens: int = setting(
-        128, "newest full-block tokens a forward attends in FP16 (kept beside the still-filling block in device "
-        "memory) instead of through their INT4 L0 copies; at most active_window; 0 = only the filling block",
-        unit="tokens", ge=0)
+        128, "newest full-block tokens a forward attends in FP16 (kept with the still-filling block and the "
+        "attention-sink block in device memory) instead of through their INT4 L0 copies; at most active_window; "
+        "0 = only the filling block is FP16", unit="tokens", ge=0)
     warm_tokens: int = setting(16384, "tokens after the window kept in L1 (host) before moving to L2 (disk)",
                                unit="tokens", ge=0)
     semantic_truncate_threshold: float = setting(
