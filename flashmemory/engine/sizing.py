@@ -17,7 +17,7 @@ from flashmemory.kvcache.levels.cold_files import default_root
 from flashmemory.errors import ConfigError, HostBudgetError, MemoryBudgetError
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.config import TieredCacheConfig, level_codecs
-from flashmemory.kvcache.recent_rows import recent_capacity
+from flashmemory.kvcache.recent_rows import row_layout
 from flashmemory.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -56,8 +56,9 @@ def plan_device(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights_bytes:
     elem = torch.empty((), dtype=dtype).element_size()
     codec = level_codecs(engine_cfg.kv_precision, block_size, model_cfg.head_dim)[Level.DEVICE]
     slot_bytes = codec.nbytes((model_cfg.num_layers, model_cfg.num_kv_heads), block_size, model_cfg.head_dim)
-    recent = recent_capacity(engine_cfg.recent_fp16_tokens, block_size, engine_cfg.active_window)
-    row_tokens = block_size + (recent if codec.bits < 16 else 0)
+    recent, sink = row_layout(engine_cfg.recent_fp16_tokens, block_size, engine_cfg.active_window,
+                              TieredCacheConfig.num_sink_blocks, codec.bits)
+    row_tokens = sink + recent + block_size
     filling_one = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * row_tokens * model_cfg.head_dim * 2
     filling = engine_cfg.max_num_seqs * filling_one
     window_slots = engine_cfg.active_window // block_size + 1  # + the attention-sink block

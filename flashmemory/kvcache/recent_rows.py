@@ -34,6 +34,14 @@ def recent_capacity(recent_tokens: int, block_size: int, active_window: int) -> 
     return min(-(-recent_tokens // block_size), active_window // block_size) * block_size
 
 
+def row_layout(recent_fp16_tokens: int, block_size: int, active_window: int, num_sink_blocks: int,
+               device_bits: int) -> tuple[int, int]:
+    """(recent, sink) full-block tokens a row keeps: none when L0 is FP16 anyway or recent_fp16_tokens is 0."""
+    if device_bits >= 16 or recent_fp16_tokens <= 0:
+        return 0, 0
+    return recent_capacity(recent_fp16_tokens, block_size, active_window), num_sink_blocks * block_size
+
+
 class RecentRows:
     """Owns the arena of rows [max_num_seqs, 2, num_layers, heads, sink + recent + block_size, head_dim] and which are
     free. A row holds, oldest first: the attention-sink blocks once full (`sink` tokens), the newest full blocks

@@ -32,7 +32,7 @@ from flashmemory.kvcache.prefetch.prefetcher import Prefetcher
 from flashmemory.kvcache.read.choice import ChoiceObserver
 from flashmemory.kvcache.read.reader import BlockReader
 from flashmemory.kvcache.read.selection import key_digest
-from flashmemory.kvcache.recent_rows import RecentRows, recent_capacity
+from flashmemory.kvcache.recent_rows import RecentRows, row_layout
 from flashmemory.kvcache.sequence_state import SequenceKV
 
 
@@ -59,10 +59,10 @@ class TieredKVCache(KVCache):
         self.attention: AttentionBackend = select_backend(cfg.attention_backend, cfg)
         # The newest tokens of each sequence, unquantized in device memory: the still-filling block and, with
         # recent_fp16_tokens, the last full blocks and the sink blocks (attended here, not through INT4 L0 copies).
-        fp16_row = self.codecs[Level.DEVICE].bits < 16 and cfg.recent_fp16_tokens > 0
-        recent = recent_capacity(cfg.recent_fp16_tokens, cfg.block_size, cfg.active_window) if fp16_row else 0
+        recent, sink = row_layout(cfg.recent_fp16_tokens, cfg.block_size, cfg.active_window, cfg.num_sink_blocks,
+                                  self.codecs[Level.DEVICE].bits)
         self.rows = RecentRows(cfg.max_num_seqs, cfg.num_layers, cfg.num_kv_heads, cfg.block_size, cfg.head_dim,
-                               recent, cfg.num_sink_blocks * cfg.block_size if fp16_row else 0, cfg.device)
+                               recent, sink, cfg.device)
         self.seqs: dict[int, SequenceKV] = {}
         self.trace: TraceRecorder | None = None
         if cfg.record_traces:

@@ -140,7 +140,7 @@ def _stages(engine, m: Measurement, activation_peak: int | None) -> list[Stage]:
                  if activation_peak is not None else "estimated from the shapes (engine/sizing.py): on a CPU the "
                  "process's RSS mixes activations with L1 pages, so it is not measured")]
     if "L0_bytes" in s:
-        out.append(Stage("KV L0 (INT4 window, sinks, filling blocks)", "device", int(s["L0_bytes"]),
+        out.append(Stage("KV L0 (INT4 window, sinks; FP16 rows of newest tokens)", "device", int(s["L0_bytes"]),
                          int(s["L0_bytes_capacity"]), "at the run's end"))
         if "device_staging_bytes" in s:
             out.append(Stage("L1 blocks staged on the device", "device", int(s["device_staging_bytes"]),
