@@ -22,6 +22,7 @@ from flashmemory.kvcache.levels.registry import build_levels
 from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
 from flashmemory.kvcache.manager.capacity import KVCapacity
 from flashmemory.kvcache.manager.prefix_cache import PrefixCache, chain_hashes
+from flashmemory.kvcache.native import native_selection
 from flashmemory.kvcache.placement import Placement
 from flashmemory.kvcache.prefix_store import PrefixStore
 from flashmemory.kvcache.sessions import CacheSessions
@@ -54,7 +55,8 @@ class TieredKVCache(KVCache):
                                    if Level.DISK in self.levels else None)
         # Objects told of every query-aware choice (trace recorder, prefetcher); none = no scoring overhead.
         self.choice_observers: list[ChoiceObserver] = []
-        self.reader = BlockReader(cfg, self.blocks, self.levels, self.codecs, self.choice_observers)
+        self.reader = BlockReader(cfg, self.blocks, self.levels, self.codecs, self.choice_observers,
+                                  native_selection(cfg.device))
         self.attention: AttentionBackend = select_backend(cfg.attention_backend, cfg)
         # The newest, still-filling block of each sequence: unquantized, in device memory.
         self.filling = torch.zeros((cfg.max_num_seqs, 2, cfg.num_layers, cfg.num_kv_heads, cfg.block_size,
