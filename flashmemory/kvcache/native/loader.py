@@ -29,10 +29,16 @@ def library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.fm_attend_records.restype = ctypes.c_int
-    lib.fm_attend_records.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, _I64, _I64,
-                                      _I64, _I64, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int]
+    lib.fm_attend_records.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, ctypes.c_int,
+                                      _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int]
     lib.fm_attend_dense.restype = ctypes.c_int
     lib.fm_attend_dense.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR]
+    lib.fm_attend_dense_f16.restype = ctypes.c_int
+    lib.fm_attend_dense_f16.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR]
+    lib.fm_decode_begin.restype = None
+    lib.fm_decode_begin.argtypes = [_PTR, ctypes.c_float, _I64, _I64, _PTR, _PTR]
+    lib.fm_decode_end.restype = None
+    lib.fm_decode_end.argtypes = [_PTR, _I64, _I64, _PTR]
     lib.fm_quest_select.restype = ctypes.c_int
     lib.fm_quest_select.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
     lib.fm_access_update.restype = ctypes.c_int
