@@ -39,8 +39,9 @@ static inline float hsum8(fm_v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((
 /* Fold T keys/values k, v [T][D] (D a multiple of 8) into the state of the G query heads of one KV head.
  * Scores: two key rows at a time against every query head, 2 * G independent vector accumulators, so the
  * multiply-adds are not serialised on one register. */
-static void attend_tile(const float *q, int64_t G, int64_t D, const float *k, const float *v, int64_t T,
-                        float *state) {
+static inline __attribute__((always_inline)) void attend_tile_g(const float *q, int64_t G, int64_t D,
+                                                                 const float *k, const float *v, int64_t T,
+                                                                 float *state) {
     float p[FM_MAX_GROUP][FM_MAX_TOKENS];
     for (int64_t t = 0; t < T; t += 2) {
         const int two = t + 1 < T;
@@ -86,6 +87,23 @@ static void attend_tile(const float *q, int64_t G, int64_t D, const float *k, co
             for (int64_t g = 0; g < G; g++) o[g] += p[g][t] * x;
         }
         for (int64_t g = 0; g < G; g++) memcpy(state + g * (D + 2) + c, &o[g], sizeof o[g]);
+    }
+}
+
+/* attend_tile_g with the group size a constant for the usual groups: the per-head accumulators then live in
+ * registers instead of a stack array indexed at run time (SmolLM2: G = 3). */
+static void attend_tile(const float *q, int64_t G, int64_t D, const float *k, const float *v, int64_t T,
+                        float *state) {
+    switch (G) {
+    case 1: attend_tile_g(q, 1, D, k, v, T, state); break;
+    case 2: attend_tile_g(q, 2, D, k, v, T, state); break;
+    case 3: attend_tile_g(q, 3, D, k, v, T, state); break;
+    case 4: attend_tile_g(q, 4, D, k, v, T, state); break;
+    case 5: attend_tile_g(q, 5, D, k, v, T, state); break;
+    case 6: attend_tile_g(q, 6, D, k, v, T, state); break;
+    case 7: attend_tile_g(q, 7, D, k, v, T, state); break;
+    case 8: attend_tile_g(q, 8, D, k, v, T, state); break;
+    default: attend_tile_g(q, G, D, k, v, T, state); break;
     }
 }
 
