@@ -41,10 +41,12 @@ def test_shared_slots_tables_and_layer_addressing_equal_explicit_slots():
     chosen = torch.stack([torch.randperm(20)[:7].sort().values for _ in range(HEADS)])  # positions per head
     explicit = _attend(q, lambda s: s.add_records(pool.storage[1], table[chosen], fmt))
     looked_up = _attend(q, lambda s: s.add_records(pool.storage, chosen, fmt, table=table, layer=1))
-    torch.testing.assert_close(looked_up, explicit, rtol=0, atol=0)
+    # With more than one thread the blocks' chunks go to whichever thread is free: the merge order, so the last
+    # bits, may differ from run to run.
+    torch.testing.assert_close(looked_up, explicit, rtol=1e-5, atol=1e-6)
     shared = _attend(q, lambda s: s.add_records(pool.storage, table.expand(HEADS, -1), fmt, layer=1))
     copied = _attend(q, lambda s: s.add_records(pool.storage[1], table.expand(HEADS, -1).contiguous(), fmt))
-    torch.testing.assert_close(shared, copied, rtol=0, atol=0)
+    torch.testing.assert_close(shared, copied, rtol=1e-5, atol=1e-6)
 
 
 @needs_kernel
@@ -57,5 +59,5 @@ def test_a_reset_state_forgets_what_it_folded():
     first = state.output()
     state.reset(q2)
     state.add_dense(k, v)
-    torch.testing.assert_close(state.output(), _attend(q2, lambda s: s.add_dense(k, v)), rtol=0, atol=0)
+    torch.testing.assert_close(state.output(), _attend(q2, lambda s: s.add_dense(k, v)), rtol=0, atol=0)  # 1 thread
     assert not torch.equal(first, state.output())
