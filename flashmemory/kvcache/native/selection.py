@@ -31,13 +31,12 @@ class NativeSelection:
                 or digest.stride(2) != 1 or width != 2 * head_dim or head_dim > MAX_HEAD_DIM or head_dim % 8
                 or num_heads % heads or num_heads // heads > MAX_GROUP or not 1 <= budget <= n):
             return None
-        q = q.to(torch.float32).contiguous()
+        q = _cpu(q, torch.float32)
         chosen = torch.empty((heads, budget), dtype=torch.int64)
         hint_ptr, num_hints, index_ptr = None, 0, None
         if hints is not None:
             assert indices is not None
-            hints = hints.to(device="cpu", dtype=torch.int64).contiguous()
-            indices = indices.to(device="cpu", dtype=torch.int64).contiguous()
+            hints, indices = _cpu(hints, torch.int64), _cpu(indices, torch.int64)
             hint_ptr, num_hints, index_ptr = hints.data_ptr(), hints.shape[1], indices.data_ptr()
         if scores is not None:
             assert scores.shape == (heads, n) and scores.dtype == torch.float32 and scores.is_contiguous()
@@ -45,6 +44,13 @@ class NativeSelection:
                                       digest.stride(0), digest.stride(1), n, index_ptr, hint_ptr, num_hints, budget,
                                       chosen.data_ptr(), None if scores is None else scores.data_ptr())
         return chosen if rc == 0 else None
+
+
+def _cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous CPU tensor of `dtype`; itself when it already is (no op dispatched: this runs per layer)."""
+    if t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous():
+        return t
+    return t.to(device="cpu", dtype=dtype).contiguous()
 
 
 def native_selection(device: torch.device) -> NativeSelection | None:
