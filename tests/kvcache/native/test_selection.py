@@ -101,3 +101,55 @@ def test_without_the_library_the_cache_keeps_the_torch_path(monkeypatch):
         monkeypatch.delenv("FLASHMEMORY_NATIVE")
         native.library.cache_clear()
     assert native.native_selection(torch.device("meta")) is None  # off the CPU: never the kernel
+
+
+class _Choices:
+    """A choice observer keeping every choice's chosen positions and raw scores."""
+
+    def __init__(self) -> None:
+        self.chosen: list[torch.Tensor] = []
+        self.scores: list[torch.Tensor] = []
+
+    def on_choose(self, choice) -> None:
+        self.chosen.append(choice.chosen.clone())
+        self.scores.append(choice.scores.clone())
+
+    def on_step_end(self, seq_id: int) -> None: ...
+
+    def on_step_abort(self, seq_id: int) -> None: ...
+
+
+def _decode(native_choice: bool, observe: bool) -> tuple[torch.Tensor, _Choices]:
+    from flashmemory.kvcache.tiered import TieredKVCache
+    from tests.kvcache.synthetic import QWEN_GEOMETRY, SyntheticSequence, tiny_config
+
+    geometry = QWEN_GEOMETRY  # 7 query heads per KV head, head_dim 64
+    cache = TieredKVCache(tiny_config(num_layers=geometry["layers"], num_kv_heads=geometry["kv_heads"],
+                                      head_dim=geometry["dim"], kv_precision="fp16", cold_zone_enabled=False,
+                                      warm_tokens=400, warm_budget_tokens=32, selection_min_tokens=0,
+                                      selection_prompt_tokens=16))
+    if not native_choice:
+        cache.reader.selection_kernel = None
+    observer = _Choices()
+    if observe:
+        cache.choice_observers.append(observer)
+    seq = SyntheticSequence(0, 230, seed=11, **geometry)
+    cache.add_sequence(0)
+    seq.forward(cache, 0, 120)
+    seq.forward(cache, 120, 200)  # the last prefill chunk sets the hints
+    out = torch.cat([seq.forward(cache, t, t + 1) for t in range(200, 230)], dim=1)
+    cache.close()
+    return out, observer
+
+
+@needs_kernel
+@pytest.mark.parametrize("observe", [False, True])
+def test_the_cache_decodes_the_same_with_the_native_choice(observe):
+    ours, seen = _decode(native_choice=True, observe=observe)
+    reference, expected = _decode(native_choice=False, observe=observe)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    assert len(seen.chosen) == len(expected.chosen) == (30 * 3 if observe else 0)  # every step and layer chose
+    for a, b in zip(seen.chosen, expected.chosen):
+        assert torch.equal(a, b)
+    for a, b in zip(seen.scores, expected.scores):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
