@@ -22,6 +22,7 @@ from flashmemory.kvcache.levels.registry import build_levels
 from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
 from flashmemory.kvcache.manager.capacity import KVCapacity
 from flashmemory.kvcache.manager.prefix_cache import PrefixCache, chain_hashes
+from flashmemory.kvcache.native import native_selection
 from flashmemory.kvcache.placement import Placement
 from flashmemory.kvcache.prefix_store import PrefixStore
 from flashmemory.kvcache.sessions import CacheSessions
@@ -55,7 +56,8 @@ class TieredKVCache(KVCache):
                                    if Level.DISK in self.levels else None)
         # Objects told of every query-aware choice (trace recorder, prefetcher); none = no scoring overhead.
         self.choice_observers: list[ChoiceObserver] = []
-        self.reader = BlockReader(cfg, self.blocks, self.levels, self.codecs, self.choice_observers)
+        self.reader = BlockReader(cfg, self.blocks, self.levels, self.codecs, self.choice_observers,
+                                  native_selection(cfg.device))
         self.attention: AttentionBackend = select_backend(cfg.attention_backend, cfg)
         # The newest tokens of each sequence, unquantized in device memory: the still-filling block and, with
         # recent_fp16_tokens, the last full blocks and the sink blocks (attended here, not through INT4 L0 copies).

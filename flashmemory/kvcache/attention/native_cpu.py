@@ -26,6 +26,7 @@ class NativeCpuAttention:
     def __init__(self) -> None:
         self.fallback = TorchAttention()
         self._formats: dict[int, native.RecordFormat] = {}  # id(pool) -> its record format
+        self._states: dict[tuple[int, int, int], native.DecodeState] = {}  # (heads, kv heads, head_dim) -> state
 
     @staticmethod
     def supports(cfg: TieredCacheConfig) -> bool:
@@ -37,17 +38,32 @@ class NativeCpuAttention:
         heads = filling.shape[1]
         if q.dtype != torch.float32 or q.shape[1] > native.MAX_GROUP * heads:
             return self.fallback.decode(layer, q, filling, new_k, new_v, reads, reader)
-        state = native.DecodeState(native.library(), q[0], heads)
-        state.add_dense(torch.cat((filling[0], new_k), dim=1), torch.cat((filling[1], new_v), dim=1))
+        state = self._state(q[0], heads)
+        state.add_dense(filling[0], filling[1])  # fp16 views, read in place
+        state.add_dense(new_k, new_v)
         for read in reads:
             pool = reader.memory_pool(read.level)
             if pool is None or read.level == Level.DISK:  # read from a file as parts, not records: decode, fold
                 kv = reader.gather(read.level, read.plan, read.chosen, layer, torch.float32)
                 state.add_dense(kv[0], kv[1])
-                continue
-            slots = read.plan.slot_tensor.expand(heads, -1) if read.chosen is None else read.plan.slot_tensor[read.chosen]
-            state.add_records(pool.storage[layer], slots, self._format(pool))
+            elif read.chosen is None:  # every head reads every block: one row of slots, read with a head stride of 0
+                state.add_records(pool.storage, read.plan.slot_tensor.expand(heads, -1), self._format(pool),
+                                  layer=layer)
+            else:  # each head its chosen positions, looked up in the plan's slots by the kernel
+                state.add_records(pool.storage, read.chosen, self._format(pool), table=read.plan.slot_tensor,
+                                  layer=layer)
         return state.output().unsqueeze(0)
+
+    def _state(self, q: torch.Tensor, heads: int) -> native.DecodeState:
+        """The decode state for this geometry, reset to query q [num_heads, head_dim]: one per backend, reused by
+        every layer and step (decode calls never overlap: one engine thread runs the forward)."""
+        key = (q.shape[0], heads, q.shape[1])
+        state = self._states.get(key)
+        if state is None:
+            state = self._states[key] = native.DecodeState(native.library(), q, heads)
+        else:
+            state.reset(q)
+        return state
 
     def prefill(self, layer: int, q: torch.Tensor, filling: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
                 reads: list[LevelRead], reader: BlockReader) -> torch.Tensor:

@@ -43,43 +43,70 @@ class RecordFormat:
 
 
 class DecodeState:
-    """Online-softmax state of one decode query over any number of key sets: [heads, group, head_dim + 2]."""
+    """Online-softmax state of one decode query over any number of key sets: [heads, group, head_dim + 2].
+
+    One state serves every layer of a step (`reset` per layer): its buffers are allocated once."""
 
     def __init__(self, lib: ctypes.CDLL, q: torch.Tensor, num_kv_heads: int) -> None:
         # q: [num_heads, head_dim] float32 on the CPU (one token)
         num_heads, head_dim = q.shape
         self.lib = lib
         self.heads, self.group, self.dim = num_kv_heads, num_heads // num_kv_heads, head_dim
-        self.q = (q * head_dim**-0.5).contiguous()
-        self.state = torch.zeros((num_kv_heads, self.group, head_dim + 2), dtype=torch.float32)
-        self.state[..., head_dim] = torch.finfo(torch.float32).min  # finite: the kernel is built with -ffast-math
+        self.q = torch.empty((num_heads, head_dim), dtype=torch.float32)
+        self.state = torch.empty((num_kv_heads, self.group, head_dim + 2), dtype=torch.float32)
+        self._q_ptr, self._state_ptr = self.q.data_ptr(), self.state.data_ptr()
+        self.reset(q)
 
-    def add_records(self, storage: torch.Tensor, slots: torch.Tensor, fmt: RecordFormat) -> None:
-        """Fold blocks of one layer's pool storage [heads, num_slots, record_bytes]; slots [heads, n] int64."""
-        slots = slots.contiguous()
+    def reset(self, q: torch.Tensor) -> None:
+        """Start over with query q [num_heads, head_dim] (float32, CPU): nothing folded in."""
+        q = q.contiguous()
+        assert q.dtype == torch.float32 and q.shape == self.q.shape
+        self.lib.fm_decode_begin(q.data_ptr(), self.dim**-0.5, self.heads * self.group, self.dim, self._q_ptr,
+                                 self._state_ptr)
+
+    def add_records(self, storage: torch.Tensor, slots: torch.Tensor, fmt: RecordFormat,
+                    table: torch.Tensor | None = None, layer: int | None = None) -> None:
+        """Fold blocks of one layer's pool storage [heads, num_slots, record_bytes] (or, with `layer`, of that layer
+        of a whole pool's storage [layers, heads, num_slots, record_bytes]). slots [heads, n] int64: block i of head
+        h is slot slots[h, i], or table[slots[h, i]] when a table [num_positions] int64 is given; an expanded row
+        (head stride 0: every head the same blocks) is read in place."""
+        if slots.stride(1) != 1 or slots.stride(0) not in (0, slots.shape[1]):
+            slots = slots.contiguous()
         assert storage.is_contiguous() and slots.dtype == torch.int64 and slots.shape[0] == self.heads
+        base = storage.data_ptr()
+        if layer is not None:
+            base += layer * storage.stride(0) * storage.element_size()
+        if table is not None:
+            assert table.dtype == torch.int64 and table.is_contiguous()
         rc = self.lib.fm_attend_records(
-            self.q.data_ptr(), self.heads, self.group, self.dim, storage.data_ptr(), storage.shape[1],
-            storage.shape[2], slots.data_ptr(), slots.shape[1], fmt.bits, fmt.block_size, fmt.key_group_tokens,
-            fmt.value_group_channels, fmt.codes_offset, fmt.k_scale_offset, fmt.k_zero_offset, fmt.v_scale_offset,
-            fmt.v_zero_offset, self.state.data_ptr(), torch.get_num_threads())
+            self._q_ptr, self.heads, self.group, self.dim, base, storage.shape[-2], storage.shape[-1],
+            slots.data_ptr(), slots.stride(0), None if table is None else table.data_ptr(), slots.shape[1], fmt.bits,
+            fmt.block_size, fmt.key_group_tokens, fmt.value_group_channels, fmt.codes_offset, fmt.k_scale_offset,
+            fmt.k_zero_offset, fmt.v_scale_offset, fmt.v_zero_offset, self._state_ptr, torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"block format {fmt} is outside the decode kernel's limits")
 
     def add_dense(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Fold float keys and values [heads, m, head_dim]."""
-        k = k.to(torch.float32).contiguous()
-        v = v.to(torch.float32).contiguous()
-        if k.shape[1]:
-            rc = self.lib.fm_attend_dense(self.q.data_ptr(), self.heads, self.group, self.dim, k.data_ptr(),
-                                          v.data_ptr(), k.shape[1], self.state.data_ptr())
-            if rc != 0:
-                raise ValueError(f"head_dim {self.dim} / group {self.group} are outside the decode kernel's limits")
+        """Fold float keys and values [heads, m, head_dim]; float16 ones with contiguous channels (any head and
+        token strides, e.g. a view of the still-filling block) are read in place."""
+        if not k.shape[1]:
+            return
+        if (k.dtype == v.dtype == torch.float16 and k.stride() == v.stride() and k.stride(2) == 1):
+            rc = self.lib.fm_attend_dense_f16(self._q_ptr, self.heads, self.group, self.dim, k.data_ptr(),
+                                              v.data_ptr(), k.shape[1], k.stride(0), k.stride(1), self._state_ptr)
+        else:
+            k = k.to(torch.float32).contiguous()
+            v = v.to(torch.float32).contiguous()
+            rc = self.lib.fm_attend_dense(self._q_ptr, self.heads, self.group, self.dim, k.data_ptr(),
+                                          v.data_ptr(), k.shape[1], self._state_ptr)
+        if rc != 0:
+            raise ValueError(f"head_dim {self.dim} / group {self.group} are outside the decode kernel's limits")
 
     def output(self) -> torch.Tensor:
-        """[num_heads, head_dim]: the attention over everything folded in."""
-        d = self.dim
-        return (self.state[..., :d] / self.state[..., d + 1 :]).reshape(self.heads * self.group, d)
+        """[num_heads, head_dim]: the attention over everything folded in (a new tensor)."""
+        out = torch.empty((self.heads * self.group, self.dim), dtype=torch.float32)
+        self.lib.fm_decode_end(self._state_ptr, self.heads * self.group, self.dim, out.data_ptr())
+        return out
 
 
 def supports(block_size: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 from flashmemory.native_build import BASE_FLAGS, build_library
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("decode_attention.c", "heat_mlp.c", "access_stats.c"))
+                for name in ("decode_attention.c", "quest_select.c", "heat_mlp.c", "access_stats.c"))
 # -fopenmp: decode attention splits its blocks over torch's OpenMP threads (the same libgomp, loaded by torch first).
 FLAGS = (*BASE_FLAGS, "-fopenmp")
 MAX_BLOCK_TOKENS = 64  # FM_MAX_TOKENS in the C source
@@ -29,10 +29,18 @@ def library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.fm_attend_records.restype = ctypes.c_int
-    lib.fm_attend_records.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, _I64, _I64,
-                                      _I64, _I64, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int]
+    lib.fm_attend_records.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, ctypes.c_int,
+                                      _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int]
     lib.fm_attend_dense.restype = ctypes.c_int
     lib.fm_attend_dense.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR]
+    lib.fm_attend_dense_f16.restype = ctypes.c_int
+    lib.fm_attend_dense_f16.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR]
+    lib.fm_decode_begin.restype = None
+    lib.fm_decode_begin.argtypes = [_PTR, ctypes.c_float, _I64, _I64, _PTR, _PTR]
+    lib.fm_decode_end.restype = None
+    lib.fm_decode_end.argtypes = [_PTR, _I64, _I64, _PTR]
+    lib.fm_quest_select.restype = ctypes.c_int
+    lib.fm_quest_select.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
     lib.fm_access_update.restype = ctypes.c_int
     lib.fm_access_update.argtypes = [_I64] * 6 + [_PTR, _I64] + [_PTR] * 9
     lib.fm_access_features.restype = ctypes.c_int

@@ -41,11 +41,21 @@ class PerHeadSource(Protocol):
         """slots [heads, n] -> parts [heads, n, ...]."""
 
 
+class SelectionKernel(Protocol):
+    """Quest's choice in one call (e.g. the native kernel); None where it cannot take these tensors."""
+
+    def select(self, q: torch.Tensor, digest: torch.Tensor, budget: int, indices: torch.Tensor | None = None,
+               hints: torch.Tensor | None = None, scores: torch.Tensor | None = None) -> torch.Tensor | None:
+        """What select_blocks(q, digest, budget) chooses, hinted blocks (logical `indices`) first; `scores`
+        [num_kv_heads, n] float32, when given, receives the raw scores."""
+
+
 class BlockReader:
     """Owns the read path's choices and counters; reads blocks through the levels it was given."""
 
     def __init__(self, cfg: TieredCacheConfig, blocks: BlockManager, levels: dict[Level, StorageLevel],
-                 codecs: dict[Level, Codec], observers: list[ChoiceObserver]) -> None:
+                 codecs: dict[Level, Codec], observers: list[ChoiceObserver],
+                 selection_kernel: SelectionKernel | None = None) -> None:
         self.cfg = cfg
         self.blocks = blocks
         self.levels = levels
@@ -53,6 +63,7 @@ class BlockReader:
         self.observers = observers  # shared with the cache: observers added later are seen here
         self._read_through: dict[Level, ReadThrough] = {}
         self._per_head: dict[Level, PerHeadSource] = {}
+        self.selection_kernel = selection_kernel  # None: the torch path (read/selection.py) chooses
         self.selected_blocks = {Level.HOST: 0, Level.DISK: 0}  # summed over decode steps and layers
         self.candidate_blocks = {Level.HOST: 0, Level.DISK: 0}
         self.selection_steps = 0  # decode steps that chose among old blocks (counted by the cache, at layer 0)
@@ -121,10 +132,17 @@ class BlockReader:
         self.candidate_blocks[level] += len(plan.indices)
         self.selected_blocks[level] += budget
         hints = plan.hints.get(layer) if plan.hints else None
-        if not self.observers and hints is None:
-            return select_blocks(q[0], plan.digest[layer], budget)
-        scores = block_scores(q[0], plan.digest[layer])  # [heads, n]: observers see the scores behind the choice
-        chosen = top_blocks(scores if hints is None else boost_hints(scores, _index_tensor(plan), hints), budget)
+        digest = plan.digest[layer]  # [heads, n, 2 * head_dim]
+        chosen = None
+        if self.selection_kernel is not None:
+            scores = digest.new_empty(digest.shape[:2]) if self.observers else None
+            chosen = self.selection_kernel.select(q[0], digest, budget, None if hints is None else _index_tensor(plan),
+                                                  hints, scores)
+        if chosen is None:
+            if not self.observers and hints is None:
+                return select_blocks(q[0], digest, budget)
+            scores = block_scores(q[0], digest)  # [heads, n]: observers see the scores behind the choice
+            chosen = top_blocks(scores if hints is None else boost_hints(scores, _index_tensor(plan), hints), budget)
         if not self.observers:
             return chosen
         heads = scores.shape[0]

@@ -39,6 +39,9 @@ def select_blocks(q: torch.Tensor, digest: torch.Tensor, budget: int) -> torch.T
 
 
 def top_blocks(scores: torch.Tensor, budget: int) -> torch.Tensor:
-    """The `budget` highest-scoring blocks per KV head: scores [num_kv_heads, num_blocks] -> indices, ascending."""
-    chosen = torch.topk(scores, budget, dim=-1, sorted=False).indices
+    """The `budget` highest-scoring blocks per KV head: scores [num_kv_heads, num_blocks] -> indices, ascending.
+
+    Ties go to the lower block index (a stable sort; topk picks among equals in no documented order), the rule the
+    native kernel (kvcache/native/csrc/quest_select.c) follows too."""
+    chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :budget]
     return chosen.sort(dim=-1).values

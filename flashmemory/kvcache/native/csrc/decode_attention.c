@@ -39,8 +39,9 @@ static inline float hsum8(fm_v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((
 /* Fold T keys/values k, v [T][D] (D a multiple of 8) into the state of the G query heads of one KV head.
  * Scores: two key rows at a time against every query head, 2 * G independent vector accumulators, so the
  * multiply-adds are not serialised on one register. */
-static void attend_tile(const float *q, int64_t G, int64_t D, const float *k, const float *v, int64_t T,
-                        float *state) {
+static inline __attribute__((always_inline)) void attend_tile_g(const float *q, int64_t G, int64_t D,
+                                                                 const float *k, const float *v, int64_t T,
+                                                                 float *state) {
     float p[FM_MAX_GROUP][FM_MAX_TOKENS];
     for (int64_t t = 0; t < T; t += 2) {
         const int two = t + 1 < T;
@@ -86,6 +87,23 @@ static void attend_tile(const float *q, int64_t G, int64_t D, const float *k, co
             for (int64_t g = 0; g < G; g++) o[g] += p[g][t] * x;
         }
         for (int64_t g = 0; g < G; g++) memcpy(state + g * (D + 2) + c, &o[g], sizeof o[g]);
+    }
+}
+
+/* attend_tile_g with the group size a constant for the usual groups: the per-head accumulators then live in
+ * registers instead of a stack array indexed at run time (SmolLM2: G = 3). */
+static void attend_tile(const float *q, int64_t G, int64_t D, const float *k, const float *v, int64_t T,
+                        float *state) {
+    switch (G) {
+    case 1: attend_tile_g(q, 1, D, k, v, T, state); break;
+    case 2: attend_tile_g(q, 2, D, k, v, T, state); break;
+    case 3: attend_tile_g(q, 3, D, k, v, T, state); break;
+    case 4: attend_tile_g(q, 4, D, k, v, T, state); break;
+    case 5: attend_tile_g(q, 5, D, k, v, T, state); break;
+    case 6: attend_tile_g(q, 6, D, k, v, T, state); break;
+    case 7: attend_tile_g(q, 7, D, k, v, T, state); break;
+    case 8: attend_tile_g(q, 8, D, k, v, T, state); break;
+    default: attend_tile_g(q, G, D, k, v, T, state); break;
     }
 }
 
@@ -137,15 +155,18 @@ static void dequantize_values(const uint8_t *codes, const fm_half *scale, const 
     }
 }
 
-/* Fold blocks i0..i1 of each KV head (slots [H][n]) into `state`. */
+/* Fold blocks i0..i1 of each KV head into `state`: block i of head h is slot slots[h * slot_stride + i], or
+ * table[slots[h * slot_stride + i]] when a table is given. */
 static void fold_records(const float *q, int64_t H, int64_t G, int64_t D, const uint8_t *storage, int64_t num_slots,
-                         int64_t record_bytes, const int64_t *slots, int64_t n, int64_t i0, int64_t i1, int bits,
+                         int64_t record_bytes, const int64_t *slots, int64_t slot_stride, const int64_t *table,
+                         int64_t i0, int64_t i1, int bits,
                          int64_t bs, int64_t kgroup, int64_t vgroup, int64_t codes_off, int64_t ks_off,
                          int64_t kz_off, int64_t vs_off, int64_t vz_off, float *state) {
     float k[FM_MAX_TOKENS * FM_MAX_DIM], v[FM_MAX_TOKENS * FM_MAX_DIM];
     for (int64_t h = 0; h < H; h++) {
         for (int64_t i = i0; i < i1; i++) {
-            const uint8_t *rec = storage + (h * num_slots + slots[h * n + i]) * record_bytes;
+            const int64_t pos = slots[h * slot_stride + i];
+            const uint8_t *rec = storage + (h * num_slots + (table != NULL ? table[pos] : pos)) * record_bytes;
             if (bits == 16) {
                 const fm_half *kv = (const fm_half *)(rec + codes_off);
 #pragma omp simd
@@ -180,11 +201,14 @@ static void merge_states(float *state, const float *other, int64_t rows, int64_t
 
 #define FM_MIN_BLOCKS_PER_THREAD 4 /* below this a second thread costs more than it saves */
 
-/* Fold n blocks per KV head (slots [H][n]) of one layer's pool storage into the state, the block range split over
- * num_threads OpenMP threads (each folds the chunks it takes, every head, into its own state; the states are merged
- * by log-sum-exp). Returns 0, or -1 when the shapes exceed the kernel's limits (the caller then uses its fallback). */
+/* Fold n blocks per KV head of one layer's pool storage into the state, the block range split over num_threads
+ * OpenMP threads (each folds the chunks it takes, every head, into its own state; the states are merged by
+ * log-sum-exp). Block i of head h is slot slots[h * slot_stride + i] (slot_stride 0: every head reads the same
+ * blocks), or table[that] when table is not NULL (slots then hold positions into the table). Returns 0, or -1 when
+ * the shapes exceed the kernel's limits (the caller then uses its fallback). */
 int fm_attend_records(const float *q, int64_t H, int64_t G, int64_t D, const uint8_t *storage, int64_t num_slots,
-                      int64_t record_bytes, const int64_t *slots, int64_t n, int bits, int64_t bs, int64_t kgroup,
+                      int64_t record_bytes, const int64_t *slots, int64_t slot_stride, const int64_t *table,
+                      int64_t n, int bits, int64_t bs, int64_t kgroup,
                       int64_t vgroup, int64_t codes_off, int64_t ks_off, int64_t kz_off, int64_t vs_off,
                       int64_t vz_off, float *state, int num_threads) {
     if (bs > FM_MAX_TOKENS || D > FM_MAX_DIM || D % 8 || G > FM_MAX_GROUP || (bits != 2 && bits != 4 && bits != 16))
@@ -194,8 +218,8 @@ int fm_attend_records(const float *q, int64_t H, int64_t G, int64_t D, const uin
     float *partial = threads > 1 ? malloc(sizeof(float) * (size_t)((threads - 1) * H * G * (D + 2))) : NULL;
     if (partial == NULL) threads = 1;
     if (threads == 1) {
-        fold_records(q, H, G, D, storage, num_slots, record_bytes, slots, n, 0, n, bits, bs, kgroup, vgroup,
-                     codes_off, ks_off, kz_off, vs_off, vz_off, state);
+        fold_records(q, H, G, D, storage, num_slots, record_bytes, slots, slot_stride, table, 0, n, bits, bs, kgroup,
+                     vgroup, codes_off, ks_off, kz_off, vs_off, vz_off, state);
         free(partial);
         return 0;
     }
@@ -219,8 +243,8 @@ int fm_attend_records(const float *q, int64_t H, int64_t G, int64_t D, const uin
         for (int64_t c = 0; c < num_chunks; c++) {
             const int64_t i0 = c * FM_MIN_BLOCKS_PER_THREAD;
             const int64_t i1 = i0 + FM_MIN_BLOCKS_PER_THREAD < n ? i0 + FM_MIN_BLOCKS_PER_THREAD : n;
-            fold_records(q, H, G, D, storage, num_slots, record_bytes, slots, n, i0, i1, bits, bs, kgroup, vgroup,
-                         codes_off, ks_off, kz_off, vs_off, vz_off, mine);
+            fold_records(q, H, G, D, storage, num_slots, record_bytes, slots, slot_stride, table, i0, i1, bits, bs,
+                         kgroup, vgroup, codes_off, ks_off, kz_off, vs_off, vz_off, mine);
         }
     }
     for (int t = 1; t < used; t++) merge_states(state, partial + (t - 1) * size, H * G, D);
@@ -239,4 +263,48 @@ int fm_attend_dense(const float *q, int64_t H, int64_t G, int64_t D, const float
         }
     }
     return 0;
+}
+
+/* Fold dense fp16 keys and values into the state: row t of head h at k + h * head_stride + t * row_stride (the
+ * same for v; channels contiguous), e.g. a strided view of the still-filling block, read without a float copy. */
+int fm_attend_dense_f16(const float *q, int64_t H, int64_t G, int64_t D, const fm_half *k, const fm_half *v,
+                        int64_t m, int64_t head_stride, int64_t row_stride, float *state) {
+    if (D > FM_MAX_DIM || D % 8 || G > FM_MAX_GROUP) return -1;
+    float kf[FM_MAX_TOKENS * FM_MAX_DIM], vf[FM_MAX_TOKENS * FM_MAX_DIM];
+    for (int64_t h = 0; h < H; h++) {
+        for (int64_t t0 = 0; t0 < m; t0 += FM_MAX_TOKENS) {
+            const int64_t T = m - t0 < FM_MAX_TOKENS ? m - t0 : FM_MAX_TOKENS;
+            for (int64_t t = 0; t < T; t++) {
+                const fm_half *kr = k + h * head_stride + (t0 + t) * row_stride;
+                const fm_half *vr = v + h * head_stride + (t0 + t) * row_stride;
+#pragma omp simd
+                for (int64_t c = 0; c < D; c++) {
+                    kf[t * D + c] = (float)kr[c];
+                    vf[t * D + c] = (float)vr[c];
+                }
+            }
+            attend_tile(q + h * G * D, G, D, kf, vf, T, state + h * G * (D + 2));
+        }
+    }
+    return 0;
+}
+
+/* Start a decode state: q_out = q * scale ([rows][D], rows = H * G) and state rows at acc = 0, m = -FLT_MAX, l = 0. */
+void fm_decode_begin(const float *q, float scale, int64_t rows, int64_t D, float *q_out, float *state) {
+    for (int64_t e = 0; e < rows * D; e++) q_out[e] = q[e] * scale;
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = state + r * (D + 2);
+        memset(row, 0, sizeof(float) * (size_t)D);
+        row[D] = -FLT_MAX; /* finite: the kernel is built with -ffast-math */
+        row[D + 1] = 0.0f;
+    }
+}
+
+/* Finish: out[r][c] = acc / l for every state row ([rows][D + 2] -> [rows][D]). */
+void fm_decode_end(const float *state, int64_t rows, int64_t D, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = state + r * (D + 2);
+        const float inv = 1.0f / row[D + 1];
+        for (int64_t c = 0; c < D; c++) out[r * D + c] = row[c] * inv;
+    }
 }
