@@ -18,7 +18,7 @@ import torch
 
 from flashmemory.errors import KVSnapshotError
 from flashmemory.kvcache.interface import KVCache
-from flashmemory.kvcache.snapshot import KVSnapshot, load_snapshot, save_snapshot
+from flashmemory.kvcache.snapshot import KVSnapshot, SnapshotReader, save_snapshot
 
 FINGERPRINT_READ_BYTES = 1 << 20  # bytes hashed at each end of every model file (the header, the last tensors)
 
@@ -71,15 +71,16 @@ def restore_prefill(cache: KVCache, seq_id: int, token_ids: list[int], path: Pat
     prompt's last chunk itself. Returns the tokens restored and the snapshot's notes."""
     if cache.num_tokens(seq_id):
         raise KVSnapshotError(f"sequence {seq_id} is not empty: a snapshot restores a prompt from its start")
-    snap = load_snapshot(path, fingerprint, token_ids)
-    geometry = (fingerprint["num_layers"], fingerprint["num_kv_heads"], fingerprint["head_dim"])
-    shape = tuple(snap.keys.shape)
-    if (shape[0], shape[1], shape[3]) != geometry:
-        raise KVSnapshotError(f"{path} holds KV of shape {shape}, this model's is [{geometry[0]}, {geometry[1]}, "
-                              f"tokens, {geometry[2]}]; delete it and rerun to make a new one")
-    last_chunk_start = (len(token_ids) - 1) // chunk_tokens * chunk_tokens
-    num_restored = min(last_chunk_start, snap.num_tokens // chunk_tokens * chunk_tokens)
-    for start in range(0, num_restored, chunk_tokens):
-        end = start + chunk_tokens
-        cache.append_kv(seq_id, snap.keys[:, :, start:end], snap.values[:, :, start:end], token_ids[start:end])
-    return num_restored, snap.notes
+    with SnapshotReader(path, fingerprint, token_ids) as snap:
+        geometry = (fingerprint["num_layers"], fingerprint["num_kv_heads"], fingerprint["head_dim"])
+        shape = snap.shape
+        if (shape[0], shape[1], shape[3]) != geometry:
+            raise KVSnapshotError(f"{path} holds KV of shape {shape}, this model's is [{geometry[0]}, "
+                                  f"{geometry[1]}, tokens, {geometry[2]}]; delete it and rerun to make a new one")
+        last_chunk_start = (len(token_ids) - 1) // chunk_tokens * chunk_tokens
+        num_restored = min(last_chunk_start, snap.num_tokens // chunk_tokens * chunk_tokens)
+        for start in range(0, num_restored, chunk_tokens):
+            end = start + chunk_tokens
+            keys, values = snap.read(start, end)
+            cache.append_kv(seq_id, keys, values, token_ids[start:end])
+        return num_restored, snap.notes

@@ -16,7 +16,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -24,6 +24,7 @@ from flashmemory.errors import KVSnapshotError
 
 MAGIC = b"FMKVSNP1"
 FORMAT_VERSION = 1
+HASH_PIECE_BYTES = 16 << 20  # the payload is hashed in pieces of this size
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -87,11 +88,15 @@ def save_snapshot(path: Path, snap: KVSnapshot) -> None:
 def read_header(path: Path) -> dict[str, Any]:
     """The snapshot's JSON header (checked for the magic and a readable length), without the payload."""
     with open(path, "rb") as f:
-        head = f.read(16)
-        if len(head) < 16 or head[:8] != MAGIC:
-            raise KVSnapshotError(f"{path} is not a FlashMemory KV snapshot (bad magic or truncated); {_fix(path)}")
-        (length,) = struct.unpack("<Q", head[8:])
-        raw = f.read(length)
+        return _read_header(f, path)
+
+
+def _read_header(f: BinaryIO, path: Path) -> dict[str, Any]:
+    head = f.read(16)
+    if len(head) < 16 or head[:8] != MAGIC:
+        raise KVSnapshotError(f"{path} is not a FlashMemory KV snapshot (bad magic or truncated); {_fix(path)}")
+    (length,) = struct.unpack("<Q", head[8:])
+    raw = f.read(length)
     if len(raw) != length:
         raise KVSnapshotError(f"{path} is truncated inside its header; {_fix(path)}")
     try:
@@ -105,44 +110,93 @@ def read_header(path: Path) -> dict[str, Any]:
     return header
 
 
+class SnapshotReader:
+    """An open snapshot file, checked whole when opened (fingerprint, tokens, size, SHA-256); its KV is then read a
+    token range at a time, so restoring a long prompt never holds the whole file in memory. The file stays open:
+    a snapshot replaced meanwhile (a new file renamed over it) is not mixed in."""
+
+    def __init__(self, path: Path, fingerprint: dict[str, Any], token_ids: list[int]) -> None:
+        self.path = path
+        self._file = open(path, "rb")
+        try:
+            self._check(fingerprint, token_ids)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _check(self, fingerprint: dict[str, Any], token_ids: list[int]) -> None:
+        path, f = self.path, self._file
+        header = _read_header(f, path)
+        mismatched = {k: (header["fingerprint"].get(k), v) for k, v in fingerprint.items()
+                      if header["fingerprint"].get(k) != v}
+        if mismatched:
+            diff = ", ".join(f"{k}: snapshot {a!r}, now {b!r}" for k, (a, b) in sorted(mismatched.items()))
+            raise KVSnapshotError(f"{path} was made by another model or settings ({diff}); {_fix(path)}")
+        self.dtype = _DTYPES.get(header["dtype"])
+        if self.dtype is None:
+            raise KVSnapshotError(f"{path} holds KV of dtype {header['dtype']!r}, not one of {sorted(_DTYPES)}")
+        self.shape = tuple(header["shape"])  # [num_layers, num_kv_heads, num_tokens, head_dim]
+        num_layers, heads, num_tokens, head_dim = self.shape
+        self.element = torch.empty((), dtype=self.dtype).element_size()
+        self.kv_bytes = num_layers * heads * num_tokens * head_dim * self.element
+        expected = num_tokens * 8 + 2 * self.kv_bytes
+        if header["payload_bytes"] != expected:
+            raise KVSnapshotError(f"{path}: header payload_bytes {header['payload_bytes']} does not match its "
+                                  f"shape ({expected}); {_fix(path)}")
+        self.offset = header["_offset"]
+        size = os.fstat(f.fileno()).st_size - self.offset
+        if size != expected:
+            raise KVSnapshotError(f"{path} is truncated or overlong: the header says {expected} payload bytes, the "
+                                  f"file holds {size}; {_fix(path)}")
+        digest = hashlib.sha256()
+        f.seek(self.offset)
+        for piece in iter(lambda: f.read(HASH_PIECE_BYTES), b""):
+            digest.update(piece)
+        if digest.hexdigest() != header["payload_sha256"]:
+            raise KVSnapshotError(f"{path}: the payload's SHA-256 does not match its header (corrupt); {_fix(path)}")
+        f.seek(self.offset)
+        ids = torch.frombuffer(bytearray(f.read(num_tokens * 8)), dtype=torch.int64).tolist()
+        common = min(num_tokens, len(token_ids))
+        if ids[:common] != list(token_ids[:common]):
+            first = next(i for i, (a, b) in enumerate(zip(ids, token_ids)) if a != b)
+            raise KVSnapshotError(f"{path} holds the KV of other tokens (its {num_tokens} tokens and the "
+                                  f"{len(token_ids)} to score differ at position {first}); {_fix(path)}")
+        self.token_ids: list[int] = ids
+        self.fingerprint: dict[str, Any] = dict(header["fingerprint"])
+        self.notes: dict[str, Any] = dict(header.get("notes", {}))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[2]
+
+    def read(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [num_layers, num_kv_heads, end - start, head_dim] of tokens [start, end)."""
+        num_layers, heads, num_tokens, head_dim = self.shape
+        if not 0 <= start <= end <= num_tokens:
+            raise ValueError(f"token range [{start}, {end}) is outside the snapshot's {num_tokens} tokens")
+        out = torch.empty((2, num_layers, heads, end - start, head_dim), dtype=self.dtype)
+        rows = out.view(2 * num_layers * heads, -1).view(torch.uint8).numpy()  # one row per (kv, layer, head)
+        row_bytes = num_tokens * head_dim * self.element
+        for i in range(rows.shape[0]):  # each (kv, layer, head) row is contiguous over tokens in the file
+            self._file.seek(self.offset + num_tokens * 8 + i * row_bytes + start * head_dim * self.element)
+            if self._file.readinto(memoryview(rows[i])) != rows.shape[1]:
+                raise KVSnapshotError(f"{self.path} was cut short while being read; {_fix(self.path)}")
+        return out[0], out[1]
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "SnapshotReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def load_snapshot(path: Path, fingerprint: dict[str, Any], token_ids: list[int]) -> KVSnapshot:
-    """The snapshot at `path`, refused (KVSnapshotError naming the difference and the fix) unless it was made by
-    `fingerprint`, its tokens and `token_ids` agree as far as both go (a longer snapshot serves a shorter prompt),
-    and its payload is whole (size and SHA-256)."""
-    header = read_header(path)
-    mismatched = {k: (header["fingerprint"].get(k), v) for k, v in fingerprint.items()
-                  if header["fingerprint"].get(k) != v}
-    if mismatched:
-        diff = ", ".join(f"{k}: snapshot {a!r}, now {b!r}" for k, (a, b) in sorted(mismatched.items()))
-        raise KVSnapshotError(f"{path} was made by another model or settings ({diff}); {_fix(path)}")
-    dtype = _DTYPES.get(header["dtype"])
-    num_layers, heads, num_tokens, head_dim = header["shape"]
-    if dtype is None:
-        raise KVSnapshotError(f"{path} holds KV of dtype {header['dtype']!r}, not one of {sorted(_DTYPES)}")
-    element = torch.empty((), dtype=dtype).element_size()
-    kv_bytes = num_layers * heads * num_tokens * head_dim * element
-    expected = num_tokens * 8 + 2 * kv_bytes
-    if header["payload_bytes"] != expected:
-        raise KVSnapshotError(f"{path}: header payload_bytes {header['payload_bytes']} does not match its shape "
-                              f"({expected}); {_fix(path)}")
-    buffer = bytearray(expected)
-    with open(path, "rb") as f:
-        f.seek(header["_offset"])
-        got = f.readinto(buffer)
-        extra = f.read(1)
-    if got != expected or extra:
-        raise KVSnapshotError(f"{path} is truncated or overlong: the header says {expected} payload bytes, the "
-                              f"file holds {got}{'+' if extra else ''}; {_fix(path)}")
-    if hashlib.sha256(buffer).hexdigest() != header["payload_sha256"]:
-        raise KVSnapshotError(f"{path}: the payload's SHA-256 does not match its header (corrupt); {_fix(path)}")
-    ids = torch.frombuffer(buffer, dtype=torch.int64, count=num_tokens).tolist()
-    common = min(num_tokens, len(token_ids))
-    if ids[:common] != list(token_ids[:common]):
-        first = next(i for i, (a, b) in enumerate(zip(ids, token_ids)) if a != b)
-        raise KVSnapshotError(f"{path} holds the KV of other tokens (its {num_tokens} tokens and the "
-                              f"{len(token_ids)} to score differ at position {first}); {_fix(path)}")
-    shape = (num_layers, heads, num_tokens, head_dim)
-    offset = num_tokens * 8
-    keys = torch.frombuffer(buffer, dtype=dtype, count=kv_bytes // element, offset=offset).view(shape)
-    values = torch.frombuffer(buffer, dtype=dtype, count=kv_bytes // element, offset=offset + kv_bytes).view(shape)
-    return KVSnapshot(ids, keys, values, dict(header["fingerprint"]), dict(header.get("notes", {})))
+    """The whole snapshot at `path`, refused (KVSnapshotError naming the difference and the fix) unless it was made
+    by `fingerprint`, its tokens and `token_ids` agree as far as both go (a longer snapshot serves a shorter
+    prompt), and its payload is whole (size and SHA-256)."""
+    with SnapshotReader(path, fingerprint, token_ids) as reader:
+        keys, values = reader.read(0, reader.num_tokens)
+        return KVSnapshot(reader.token_ids, keys, values, reader.fingerprint, reader.notes)

@@ -48,6 +48,7 @@ class ConfigResult:
     passkey: dict[str, bool] = field(default_factory=dict)
     kv_stats: dict[str, float] = field(default_factory=dict)
     restored_tokens: int = 0  # prompt tokens whose exact KV came from the --kv-snapshot file
+    peak_rss_bytes: int = 0  # the process's peak RSS while this configuration was scored (Linux; 0 elsewhere)
 
 
 def default_text_path() -> Path | None:
@@ -82,6 +83,24 @@ def parse_config(spec: str) -> tuple[str, dict[str, Any]]:
         knobs[key.strip()] = value
     knobs.setdefault("kv_cache", "tiered")
     return name, knobs
+
+
+def reset_peak_rss() -> None:
+    """Start the process's peak-RSS count afresh (Linux: writing 5 to clear_refs resets VmHWM)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM of this process since the last reset_peak_rss (0 where /proc is not there)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    line = next((x for x in status.splitlines() if x.startswith("VmHWM:")), None)
+    return int(line.split()[1]) * 1024 if line else 0
 
 
 def _device_kv_bytes(stats: dict[str, float]) -> int:
@@ -126,10 +145,11 @@ def score_config(engine, ids: list[int], decode_tokens: int, name: str, knobs: d
     first run that finds it missing): the decode steps are measured as always, the prefill PPL is not.
     """
     engine.reconfigure_kv(**knobs)
+    reset_peak_rss()
     score = engine.score_tokens(ids, num_teacher_forced=decode_tokens, kv_snapshot=kv_snapshot)
     n_pre = score.num_prefill_tokens - score.num_restored_tokens
     lp = score.token_logprobs
-    r = ConfigResult(name, knobs, restored_tokens=score.num_restored_tokens)
+    r = ConfigResult(name, knobs, restored_tokens=score.num_restored_tokens, peak_rss_bytes=peak_rss_bytes())
     r.prefill_ppl = perplexity(lp[:n_pre]) if not score.num_restored_tokens else None
     r.decode_ppl = perplexity(lp[n_pre:])
     dist = score.decode_logprobs
@@ -190,7 +210,7 @@ def run_eval(engine, text: str, window_tokens: int, decode_tokens: int, configs:
 
 def format_table(results: list[ConfigResult], baseline: ConfigResult) -> str:
     head = ("| config | prefill PPL | decode PPL | Δ decode PPL | mean KL | top-1 | device KV MiB | "
-            "device KV vs exact | decode tok/s | passkey |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+            "device KV vs exact | decode tok/s | peak RSS MiB | passkey |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     rows = []
     for r in results:
         delta = (r.decode_ppl / baseline.decode_ppl - 1) * 100
@@ -199,7 +219,7 @@ def format_table(results: list[ConfigResult], baseline: ConfigResult) -> str:
         prefill = "restored" if r.prefill_ppl is None else f"{r.prefill_ppl:.3f}"
         rows.append(f"| {r.name} | {prefill} | {r.decode_ppl:.3f} | {delta:+.2f} % | {r.mean_kl:.4f} | "
                     f"{r.top1_agreement:.1%} | {r.device_kv_bytes / 2**20:.1f} | {share:.1f} % | "
-                    f"{r.decode_tokens_per_s:.2f} | {keys} |")
+                    f"{r.decode_tokens_per_s:.2f} | {r.peak_rss_bytes / 2**20:.0f} | {keys} |")
     return head + "\n" + "\n".join(rows)
 
 
