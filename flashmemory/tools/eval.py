@@ -210,7 +210,8 @@ def run_eval(engine, text: str, window_tokens: int, decode_tokens: int, configs:
 
 def format_table(results: list[ConfigResult], baseline: ConfigResult) -> str:
     head = ("| config | prefill PPL | decode PPL | Δ decode PPL | mean KL | top-1 | device KV MiB | "
-            "device KV vs exact | decode tok/s | peak RSS MiB | passkey |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+            "device KV vs exact | decode tok/s | peak RSS MiB | passkey |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     rows = []
     for r in results:
         delta = (r.decode_ppl / baseline.decode_ppl - 1) * 100
