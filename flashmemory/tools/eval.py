@@ -7,6 +7,8 @@ For each configuration, in one process with the weights loaded once:
   - mean KL(exact || config) and top-1 agreement of the next-token distributions at those N positions;
   - device KV bytes at the end of the window, and decode tokens/s;
   - passkey retrieval: a number hidden at several depths of a haystack, asked for at the end.
+With a KV snapshot file (--kv-snapshot), a long prompt is prefilled once by the exact cache and restored for every
+configuration and run (engine/kv_snapshot.py; docs/eval.md says what is restored and what is measured fresh).
 """
 
 from __future__ import annotations
