@@ -178,6 +178,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--passkey-window", type=int, default=256, help="active_window/warm_tokens for the passkey runs")
     p.add_argument("--text", dest="text_option", default=None, help="the long text (same as the positional)")
     p.add_argument("--json", default=None, help="write the full report here")
+    p.add_argument("--kv-snapshot", default=None, metavar="FILE",
+                   help="prefill the prompt once: the first run writes the exact cache's prompt KV to FILE, later "
+                   "configurations and runs restore it (checked against the model and tokens) and compute only the "
+                   "prompt's last chunk and the decode steps")
     add_needle_flags(p)
     add_flags(p, EngineConfig, ("model_path", "dtype", "num_threads"), "engine")
     p.set_defaults(func=_run_eval)
@@ -205,7 +209,8 @@ def _run_eval(args: argparse.Namespace) -> int:
         finally:
             engine.close()
     report = run_eval(engine, text, args.window_tokens, args.decode_tokens, configs, args.passkey_depths,
-                      args.passkey_tokens, args.passkey_window, log=lambda m: print(m, file=sys.stderr))
+                      args.passkey_tokens, args.passkey_window, log=lambda m: print(m, file=sys.stderr),
+                      kv_snapshot=Path(args.kv_snapshot) if args.kv_snapshot else None)
     report["text"] = str(path)
     print(report["table"])
     if args.json:

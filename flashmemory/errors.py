@@ -34,6 +34,10 @@ class PromptTooLongError(FlashMemoryError, ValueError):
         self.num_prompt_tokens = num_prompt_tokens
 
 
+class KVSnapshotError(FlashMemoryError, ValueError):
+    """A KV snapshot file is truncated, corrupt, or was made by another model, settings or token sequence."""
+
+
 class SamplingParamsError(FlashMemoryError, ValueError):
     """A sampling parameter (temperature, top_p, ...) is invalid."""
 
@@ -72,3 +76,12 @@ class ColdZoneWriteError(FlashMemoryError, OSError):
 
 class DeviceLostError(FlashMemoryError, RuntimeError):
     """The compute device failed (a CUDA error poisons its context): the engine cannot go on and must restart."""
+
+
+def blame_sequence(error: Exception, seq_id: int) -> None:
+    """Name the sequence being served on an error raised while serving it (unless a deeper frame already did)."""
+    if getattr(error, "seq_id", None) is None:
+        try:
+            error.seq_id = seq_id  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type that takes no attributes: the engine fails the whole step
+            pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -175,10 +176,11 @@ class FlashMemoryEngine:
             return [out.token_id for out in self._outputs(requests[0]) if out.token_id is not None]
         return [[out.token_id for out in outs if out.token_id is not None] for outs in self._run_batch(requests)]
 
-    def score_tokens(self, token_ids: list[int], num_teacher_forced: int = 0) -> ScoreResult:
-        """Log-probabilities the model gives each next token of `token_ids` (for perplexity and fidelity); see
-        engine/scoring.py."""
-        return score_tokens(self, token_ids, num_teacher_forced)
+    def score_tokens(self, token_ids: list[int], num_teacher_forced: int = 0,
+                     kv_snapshot: Path | None = None) -> ScoreResult:
+        """Log-probabilities the model gives each next token of `token_ids` (for perplexity and fidelity), the
+        prompt optionally restored from / saved to a KV snapshot file; see engine/scoring.py."""
+        return score_tokens(self, token_ids, num_teacher_forced, kv_snapshot)
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [len(token_ids), vocab] of one forward over the tokens (for evaluation and tests)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from flashmemory.errors import KVSnapshotError
 from flashmemory.kvcache.attention.dense import causal_attention
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
 from flashmemory.kvcache.manager.capacity import KVCapacity
@@ -83,6 +84,23 @@ class ContiguousKVCache(KVCache):
         if keys.dtype != q.dtype:  # reduced-precision storage (the FP16 baseline): compute in the model dtype
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         return causal_attention(q, keys, values, start, self.sliding_window_tokens)
+
+    def export_kv(self, seq_id: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if num_tokens > self._lengths[seq_id]:
+            raise ValueError(f"sequence {seq_id} holds {self._lengths[seq_id]} tokens, not {num_tokens}")
+        kv = self._kv[seq_id][:, :, :, :num_tokens]  # [num_layers, 2, num_kv_heads, num_tokens, head_dim]
+        return kv[:, 0].clone(), kv[:, 1].clone()
+
+    def append_kv(self, seq_id: int, keys: torch.Tensor, values: torch.Tensor, token_ids: list[int]) -> None:
+        if keys.dtype != self.dtype:  # an FP16 snapshot in a float32 cache would not be what a prefill stores
+            raise KVSnapshotError(f"the snapshot holds {keys.dtype} KV, this cache stores {self.dtype}: restore it "
+                                  "into a cache of the same precision (kv_precision='fp16')")
+        start = self._lengths[seq_id]
+        end = start + keys.shape[2]
+        kv = self._reserve(seq_id, end)
+        kv[:, 0, :, start:end] = keys.to(self.device)
+        kv[:, 1, :, start:end] = values.to(self.device)
+        self._lengths[seq_id] = end
 
     def commit(self, batch: ForwardBatch) -> None:
         for s in batch.slices:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashmemory.errors import KVSnapshotError
 from flashmemory.kvcache.manager.capacity import KVCapacity
 
 
@@ -98,6 +99,17 @@ class KVCache(ABC):
     def promote_sequence(self, seq_id: int) -> int:
         """Undo demote_sequence."""
         raise RuntimeError(f"{type(self).__name__} has no levels to promote from")
+
+    def export_kv(self, seq_id: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [num_layers, num_kv_heads, num_tokens, head_dim] of the sequence's first tokens, exactly
+        as stored (for a KV snapshot); only a cache that holds every token unapproximated can."""
+        raise KVSnapshotError(f"{type(self).__name__} cannot export exact KV: make snapshots with the exact "
+                              "cache (kv_cache='contiguous', kv_precision='fp16')")
+
+    def append_kv(self, seq_id: int, keys: torch.Tensor, values: torch.Tensor, token_ids: list[int]) -> None:
+        """Store post-RoPE keys and values [num_layers, num_kv_heads, n, head_dim] of the sequence's next n tokens
+        (`token_ids`) as a prefill forward over them would, without computing attention (restoring a snapshot)."""
+        raise KVSnapshotError(f"{type(self).__name__} cannot restore a KV snapshot")
 
     def attend(
         self, layer_idx: int, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from flashmemory.errors import CapacityError
+from flashmemory.errors import CapacityError, blame_sequence
 from flashmemory.kvcache.attention.backend import AttentionBackend, LevelRead
 from flashmemory.kvcache.attention.registry import select_backend
 from flashmemory.kvcache.config import KV_DTYPE, TieredCacheConfig, level_codecs
@@ -208,7 +208,7 @@ class TieredKVCache(KVCache):
         try:
             return self._attend(layer, s, q, k, v)
         except Exception as e:
-            _blame(e, s.seq_id)  # the engine fails or recomputes this sequence only
+            blame_sequence(e, s.seq_id)  # the engine fails or recomputes this sequence only
             raise
 
     def _attend(self, layer: int, s: SequenceSlice, q, k, v) -> torch.Tensor:
@@ -240,6 +240,15 @@ class TieredKVCache(KVCache):
             return self.attention.decode(layer, q, filling, new_k, new_v, reads, self.reader)
         return self.attention.prefill(layer, q, filling, new_k, new_v, reads, self.reader)
 
+    def append_kv(self, seq_id: int, keys: torch.Tensor, values: torch.Tensor, token_ids: list[int]) -> None:
+        """Restore exact KV [num_layers, num_kv_heads, n, head_dim] as a prefill chunk's forward would store it: the
+        same commit, so every level gets its own copy, digest and placement (no attention, no prompt hints)."""
+        seq = self.seqs[seq_id]
+        if seq.pending:
+            raise RuntimeError(f"sequence {seq_id} has a forward in flight")  # internal: restore between forwards
+        seq.pending.extend(zip(keys.to(self.cfg.device, KV_DTYPE), values.to(self.cfg.device, KV_DTYPE)))
+        self._commit_one(SequenceSlice(seq_id, 0, keys.shape[2], seq.num_tokens, tuple(token_ids)))
+
     # ---- commit -----------------------------------------------------------------------------------------------
 
     def commit(self, batch: ForwardBatch) -> None:
@@ -247,7 +256,7 @@ class TieredKVCache(KVCache):
             try:
                 self._commit_one(s)
             except Exception as e:
-                _blame(e, s.seq_id)
+                blame_sequence(e, s.seq_id)
                 raise
             if s.num_new_tokens == 1:
                 for observer in self.choice_observers:
@@ -392,11 +401,3 @@ class TieredKVCache(KVCache):
         for level in self.levels.values():
             level.close()
 
-
-def _blame(error: Exception, seq_id: int) -> None:
-    """Name the sequence being served on an error raised while serving it (unless a deeper frame already did)."""
-    if getattr(error, "seq_id", None) is None:
-        try:
-            error.seq_id = seq_id  # type: ignore[attr-defined]
-        except AttributeError:  # an exception type that takes no attributes: the engine fails the whole step
-            pass

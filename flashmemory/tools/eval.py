@@ -7,6 +7,8 @@ For each configuration, in one process with the weights loaded once:
   - mean KL(exact || config) and top-1 agreement of the next-token distributions at those N positions;
   - device KV bytes at the end of the window, and decode tokens/s;
   - passkey retrieval: a number hidden at several depths of a haystack, asked for at the end.
+With a KV snapshot file (--kv-snapshot), a long prompt is prefilled once by the exact cache and restored for every
+configuration and run (engine/kv_snapshot.py; docs/eval.md says what is restored and what is measured fresh).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class ConfigResult:
 
     name: str
     knobs: dict[str, Any]
-    prefill_ppl: float = 0.0
+    prefill_ppl: float | None = 0.0  # None when the prompt's KV was restored from a snapshot (not computed here)
     decode_ppl: float = 0.0
     mean_kl: float = 0.0
     top1_agreement: float = 1.0
@@ -47,6 +49,8 @@ class ConfigResult:
     decode_tokens_per_s: float = 0.0
     passkey: dict[str, bool] = field(default_factory=dict)
     kv_stats: dict[str, float] = field(default_factory=dict)
+    restored_tokens: int = 0  # prompt tokens whose exact KV came from the --kv-snapshot file
+    peak_rss_bytes: int = 0  # the process's peak RSS while this configuration was scored (Linux; 0 elsewhere)
 
 
 def default_text_path() -> Path | None:
@@ -83,6 +87,24 @@ def parse_config(spec: str) -> tuple[str, dict[str, Any]]:
     return name, knobs
 
 
+def reset_peak_rss() -> None:
+    """Start the process's peak-RSS count afresh (Linux: writing 5 to clear_refs resets VmHWM)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM of this process since the last reset_peak_rss (0 where /proc is not there)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    line = next((x for x in status.splitlines() if x.startswith("VmHWM:")), None)
+    return int(line.split()[1]) * 1024 if line else 0
+
+
 def _device_kv_bytes(stats: dict[str, float]) -> int:
     return int(stats.get("L0_bytes", stats.get("kv_bytes_used", 0)))
 
@@ -115,17 +137,22 @@ def compare_distributions(exact_lp: torch.Tensor, dist: torch.Tensor) -> tuple[f
 
 
 def score_config(engine, ids: list[int], decode_tokens: int, name: str, knobs: dict[str, Any],
-                 exact_lp: torch.Tensor | None = None) -> tuple[ConfigResult, torch.Tensor]:
-    """Score `ids` with the KV configuration `knobs`; returns its figures and its decode log-softmax rows.
+                 exact_lp: torch.Tensor | None = None,
+                 kv_snapshot: Path | None = None) -> tuple[ConfigResult, torch.Tensor, dict[str, Any]]:
+    """Score `ids` with the KV configuration `knobs`; returns its figures, its decode log-softmax rows and the
+    notes of the KV snapshot it restored (empty when none).
 
     Against `exact_lp` (the exact cache's rows for the same ids) when given; otherwise this is the baseline.
+    With `kv_snapshot`, the prompt before its last prefill chunk is restored from that file (written by the
+    first run that finds it missing): the decode steps are measured as always, the prefill PPL is not.
     """
     engine.reconfigure_kv(**knobs)
-    score = engine.score_tokens(ids, num_teacher_forced=decode_tokens)
-    n_pre = score.num_prefill_tokens
+    reset_peak_rss()
+    score = engine.score_tokens(ids, num_teacher_forced=decode_tokens, kv_snapshot=kv_snapshot)
+    n_pre = score.num_prefill_tokens - score.num_restored_tokens
     lp = score.token_logprobs
-    r = ConfigResult(name, knobs)
-    r.prefill_ppl = perplexity(lp[:n_pre])
+    r = ConfigResult(name, knobs, restored_tokens=score.num_restored_tokens, peak_rss_bytes=peak_rss_bytes())
+    r.prefill_ppl = perplexity(lp[:n_pre]) if not score.num_restored_tokens else None
     r.decode_ppl = perplexity(lp[n_pre:])
     dist = score.decode_logprobs
     if exact_lp is not None:
@@ -133,11 +160,12 @@ def score_config(engine, ids: list[int], decode_tokens: int, name: str, knobs: d
     r.device_kv_bytes = _device_kv_bytes(score.kv_stats)
     r.decode_tokens_per_s = score.num_decode_steps / score.decode_seconds if score.decode_seconds else 0.0
     r.kv_stats = {k: float(v) for k, v in score.kv_stats.items()}
-    return r, dist
+    return r, dist, score.snapshot_notes
 
 
 def run_eval(engine, text: str, window_tokens: int, decode_tokens: int, configs: dict[str, dict[str, Any]],
-             passkey_depths: list[float], passkey_tokens: int, passkey_window: int, log=print) -> dict[str, Any]:
+             passkey_depths: list[float], passkey_tokens: int, passkey_window: int, log=print,
+             kv_snapshot: Path | None = None) -> dict[str, Any]:
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     window_tokens = min(window_tokens, engine.max_seq_len - 1, len(ids))
     if decode_tokens >= window_tokens:
@@ -147,10 +175,12 @@ def run_eval(engine, text: str, window_tokens: int, decode_tokens: int, configs:
     keys = {depth: rng.randint(10000, 99999) for depth in passkey_depths}
     results: list[ConfigResult] = []
     exact_lp: torch.Tensor | None = None
+    snapshot_notes: dict[str, Any] = {}
     for name, knobs in [(BASELINE, BASELINE_KNOBS), *configs.items()]:
         log(f"[{name}] {knobs}")
         t0 = time.perf_counter()
-        r, dist = score_config(engine, ids, decode_tokens, name, knobs, exact_lp)
+        r, dist, notes = score_config(engine, ids, decode_tokens, name, knobs, exact_lp, kv_snapshot)
+        snapshot_notes = snapshot_notes or notes
         if exact_lp is None:
             exact_lp = dist
         if passkey_depths:
@@ -174,6 +204,7 @@ def run_eval(engine, text: str, window_tokens: int, decode_tokens: int, configs:
         "passkey_tokens": passkey_tokens,
         "passkey_window": passkey_window,
         "baseline": BASELINE,
+        "kv_snapshot": None if kv_snapshot is None else {"path": str(kv_snapshot), "made_by": snapshot_notes},
         "results": [asdict(r) for r in results],
         "table": format_table(results, baseline),
     }
@@ -181,15 +212,17 @@ def run_eval(engine, text: str, window_tokens: int, decode_tokens: int, configs:
 
 def format_table(results: list[ConfigResult], baseline: ConfigResult) -> str:
     head = ("| config | prefill PPL | decode PPL | Δ decode PPL | mean KL | top-1 | device KV MiB | "
-            "device KV vs exact | decode tok/s | passkey |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+            "device KV vs exact | decode tok/s | peak RSS MiB | passkey |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     rows = []
     for r in results:
         delta = (r.decode_ppl / baseline.decode_ppl - 1) * 100
         share = r.device_kv_bytes / baseline.device_kv_bytes * 100 if baseline.device_kv_bytes else 0.0
         keys = " ".join(f"{d}:{'ok' if ok else 'MISS'}" for d, ok in r.passkey.items()) or "-"
-        rows.append(f"| {r.name} | {r.prefill_ppl:.3f} | {r.decode_ppl:.3f} | {delta:+.2f} % | {r.mean_kl:.4f} | "
+        prefill = "restored" if r.prefill_ppl is None else f"{r.prefill_ppl:.3f}"
+        rows.append(f"| {r.name} | {prefill} | {r.decode_ppl:.3f} | {delta:+.2f} % | {r.mean_kl:.4f} | "
                     f"{r.top1_agreement:.1%} | {r.device_kv_bytes / 2**20:.1f} | {share:.1f} % | "
-                    f"{r.decode_tokens_per_s:.2f} | {keys} |")
+                    f"{r.decode_tokens_per_s:.2f} | {r.peak_rss_bytes / 2**20:.0f} | {keys} |")
     return head + "\n" + "\n".join(rows)
 
 

@@ -9,6 +9,7 @@ import pytest
 from flashmemory.cli import main
 from flashmemory.errors import ConfigError
 from flashmemory.tools.eval import parse_config
+from tests.helpers import write_tiny_model
 
 TEXT = ("Alice was beginning to get very tired of sitting by her sister on the bank. " * 40)
 
@@ -38,3 +39,26 @@ def test_config_spec_is_parsed_and_checked():
         parse_config("no-colon")
     with pytest.raises(ConfigError, match="not key=value"):
         parse_config("a:oops")
+
+
+def test_eval_with_kv_snapshot_restores_the_prompt_and_decodes_the_same(tmp_path):
+    model = tmp_path / "model"
+    write_tiny_model(model, max_position_embeddings=1024)  # room for more than one 512-token prefill chunk
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT * 2)
+    snap = tmp_path / "prompt.kvsnap"
+    args = ["eval", str(text), "--model", str(model), "--window-tokens", "700", "--decode-tokens", "16",
+            "--config", "fp16-exact:kv_precision=fp16,selection=exact,block_size=8,active_window=64",
+            "--passkey-depths", "--kv-snapshot", str(snap)]
+    reports = []
+    for i in range(2):  # the first run writes the snapshot, the second restores it in every configuration
+        assert main([*args, "--json", str(tmp_path / f"r{i}.json")]) == 0
+        reports.append(json.loads((tmp_path / f"r{i}.json").read_text()))
+    made, reused = reports
+    assert snap.exists() and made["kv_snapshot"]["made_by"]["prefill_ppl"] > 1
+    assert [r["restored_tokens"] for r in made["results"]] == [0, 512]
+    assert [r["restored_tokens"] for r in reused["results"]] == [512, 512]
+    assert reused["results"][0]["prefill_ppl"] is None
+    for a, b in zip(made["results"], reused["results"]):
+        assert abs(a["decode_ppl"] - b["decode_ppl"]) <= 1e-4 * a["decode_ppl"]
+    assert reused["results"][1]["top1_agreement"] == 1.0

@@ -69,7 +69,7 @@ def measure_fidelity(job: FidelityJob) -> list[FidelityResult]:
     ids = read_token_ids(job.ids_path, job.context_tokens)
     results: list[FidelityResult] = []
     try:
-        reference, exact_lp = score_config(engine, ids, job.teacher_forced_tokens, "reference", BASELINE_KNOBS)
+        reference, exact_lp, _ = score_config(engine, ids, job.teacher_forced_tokens, "reference", BASELINE_KNOBS)
         torch.save(exact_lp, job.reference_path)
         for name, knobs in job.engines:
             if name == REFERENCE_ENGINE:  # the reference itself: the same scoring, so it is not run twice
@@ -78,7 +78,7 @@ def measure_fidelity(job: FidelityJob) -> list[FidelityResult]:
                                               device_kv_bytes=reference.device_kv_bytes))
                 continue
             try:
-                r, _ = score_config(engine, ids, job.teacher_forced_tokens, name, knobs, exact_lp)
+                r, _, _ = score_config(engine, ids, job.teacher_forced_tokens, name, knobs, exact_lp)
             except Exception as e:  # noqa: BLE001 - one configuration failing must not hide the others
                 results.append(FidelityResult(name, 0.0, 0.0, 0.0, REFERENCE_ENGINE, error=f"{type(e).__name__}: {e}"))
                 continue
