@@ -321,7 +321,7 @@ class TieredKVCache(KVCache):
     # ---- reporting --------------------------------------------------------------------------------------------
 
     def device_bytes_used(self) -> int:
-        """Bytes of KV held in device memory now: L0 slots in use, the filling blocks of live sequences and the L1
+        """Bytes of KV held in device memory now: L0 slots in use, the rows of live sequences (newest tokens FP16) and the L1
         blocks staged on the device ahead of need."""
         row = self.rows.row_bytes
         cached = self.prefix_cache.unused_copies()[Level.DEVICE] if self.prefix_cache is not None else 0
@@ -352,10 +352,6 @@ class TieredKVCache(KVCache):
             out[f"{name}_cached_bytes"] = cached.get(level, 0) * pool.bytes_per_slot
         out["L0_bytes"] = self.device_bytes_used()
         out["L0_bytes_capacity"] = self.device_bytes_capacity()
-        for level in (Level.HOST, Level.DISK):
-            cand = self.reader.candidate_blocks[level]
-            out[f"L{int(level)}_candidate_blocks"] = cand  # summed over decode steps, layers
-            out[f"L{int(level)}_selected_fraction"] = self.reader.selected_blocks[level] / cand if cand else 0.0
         out.update(self.reader.selection_stats(s.digest for s in self.seqs.values()))
         for route, n in self.placement.bytes_moved.items():
             out[f"bytes_moved_{route}"] = n

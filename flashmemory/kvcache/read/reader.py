@@ -208,12 +208,12 @@ class BlockReader:
         return self.levels[level].read_layer(slots, layer)
 
     def selection_stats(self, digests: Iterable[torch.Tensor | None]) -> dict[str, int | float]:
-        """Query-aware selection: share of the old (L1 + L2) blocks read per decode step, its time, and the digests'
-        memory (`digests`: each live sequence's digest store)."""
+        """Query-aware selection: share of the old (L1 + L2) blocks read per decode step (and per level), its time,
+        and the digests' memory (`digests`: each live sequence's digest store)."""
         candidates = sum(self.candidate_blocks.values())
         steps = self.selection_steps
         cfg = self.cfg
-        return {
+        out: dict[str, int | float] = {
             "selection_steps": steps,
             "selection_old_read_fraction": sum(self.selected_blocks.values()) / candidates if candidates else 0.0,
             "selection_ms_per_step": self.selection_seconds / steps * 1e3 if steps else 0.0,
@@ -222,6 +222,11 @@ class BlockReader:
             / cfg.block_size,
             "selection_digest_bytes": sum(d.numel() * d.element_size() for d in digests if d is not None),
         }
+        for level in (Level.HOST, Level.DISK):
+            cand = self.candidate_blocks[level]
+            out[f"L{int(level)}_candidate_blocks"] = cand  # summed over decode steps, layers
+            out[f"L{int(level)}_selected_fraction"] = self.selected_blocks[level] / cand if cand else 0.0
+        return out
 
 
 def _index_tensor(plan: LevelPlan) -> torch.Tensor:
