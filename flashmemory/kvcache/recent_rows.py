@@ -99,7 +99,7 @@ class RecentRows:
         bs, row = self.block_size, self.arena[seq.filling_row]
         n = new_k.shape[2]
         base = seq.num_sink
-        old_partial = seq.num_filling - base - seq.num_recent
+        old_partial = seq.num_partial
         full = (old_partial + n) // bs
         if full == 0:  # the common decode step: the token goes into place
             row[0, :, :, seq.num_filling : seq.num_filling + n] = new_k

@@ -30,6 +30,11 @@ class SequenceKV:
     # queries score highest (the question of a prompt): decode steps always read them (read/hints.py).
     hints: dict[Level, dict[int, torch.Tensor]] = field(default_factory=dict)
 
+    @property
+    def num_partial(self) -> int:
+        """Tokens of the still-filling block (the row's tokens that belong to no full block yet)."""
+        return self.num_filling - self.num_sink - self.num_recent
+
     def record_digest(self, index: int, digest: torch.Tensor) -> None:
         """Keep block `index`'s digest [num_layers, num_kv_heads, 2 * head_dim], growing the store by doubling."""
         if self.digest is None or self.digest.shape[2] <= index:

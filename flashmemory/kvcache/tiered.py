@@ -290,8 +290,7 @@ class TieredKVCache(KVCache):
             tainted = (b == 0 and seq.filling_decoded) or (decoded and (b + 1) * bs > done.old_partial)
             self._write_block(s.seq_id, done.full_k[:, :, b * bs : (b + 1) * bs],
                               done.full_v[:, :, b * bs : (b + 1) * bs], nameable=not tainted)
-        rest = seq.num_filling - seq.num_sink - seq.num_recent
-        seq.filling_decoded = rest > 0 and (decoded or (done.num_blocks == 0 and seq.filling_decoded))
+        seq.filling_decoded = seq.num_partial > 0 and (decoded or (done.num_blocks == 0 and seq.filling_decoded))
         seq.num_tokens += s.num_new_tokens
         self.placement.place(s.seq_id)
 
@@ -321,8 +320,8 @@ class TieredKVCache(KVCache):
     # ---- reporting --------------------------------------------------------------------------------------------
 
     def device_bytes_used(self) -> int:
-        """Bytes of KV held in device memory now: L0 slots in use, the rows of live sequences (newest tokens FP16) and the L1
-        blocks staged on the device ahead of need."""
+        """Bytes of KV held in device memory now: L0 slots in use, the rows of live sequences (newest tokens FP16)
+        and the L1 blocks staged on the device ahead of need."""
         row = self.rows.row_bytes
         cached = self.prefix_cache.unused_copies()[Level.DEVICE] if self.prefix_cache is not None else 0
         used = (self.blocks.allocators[Level.DEVICE].num_used - cached) * self.device_pool.bytes_per_slot
