@@ -115,6 +115,7 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
         selection_prompt_tokens=engine_cfg.selection_prompt_tokens,
         selection=engine_cfg.selection,
         kv_precision=engine_cfg.kv_precision,
+        kv_quant_range=engine_cfg.kv_quant_range,
         max_num_seqs=engine_cfg.max_num_seqs,
         recent_fp16_tokens=engine_cfg.recent_fp16_tokens,
         cold_zone_enabled=engine_cfg.cold_zone_enabled,

@@ -15,10 +15,11 @@ PRECISIONS = {"fp16": (16, 16, 16), "int4": (4, 16, 4), "mixed": (4, 16, 2)}  # 
 VALUE_GROUP_CHANNELS = 32  # channels sharing one per-token scale/zero of the values (capped by head_dim)
 
 
-def level_codecs(kv_precision: str, block_size: int, head_dim: int) -> dict[Level, Codec]:
+def level_codecs(kv_precision: str, block_size: int, head_dim: int, quant_range: str = "mse") -> dict[Level, Codec]:
     """The codec of every level for a precision: keys grouped per block, values per 32 channels."""
     value_group = min(VALUE_GROUP_CHANNELS, head_dim)
-    return {level: Codec(bits, block_size, value_group) for level, bits in zip(Level, PRECISIONS[kv_precision])}
+    return {level: Codec(bits, block_size, value_group, quant_range)
+            for level, bits in zip(Level, PRECISIONS[kv_precision])}
 
 
 KV_DTYPE = torch.float16  # the unquantized KV storage type (the newest block, L1, the "fp16" precision)
@@ -43,6 +44,7 @@ class TieredCacheConfig:
     selection_prompt_tokens: int = 128  # per level, layer and KV head: blocks the prompt's end points to (hints)
     selection: str = "quest"  # "quest" (query-aware) or "exact" (attend everything)
     kv_precision: str = "mixed"  # "fp16" | "int4" | "mixed"
+    kv_quant_range: str = "mse"  # how INT4/INT2 groups pick their range: "mse" | "minmax" (quant.py)
     num_sink_blocks: int = 1  # first blocks pinned to L0 (attention sinks)
     max_num_seqs: int = 16  # sequences alive at once (each owns a row of its newest tokens in device memory)
     recent_fp16_tokens: int = 0  # newest full-block tokens (<= active_window) attended FP16 from that row, not INT4
@@ -66,7 +68,7 @@ class TieredCacheConfig:
 
     def prefix_namespace(self) -> bytes:
         """What a block's name depends on besides its tokens: the model, every level's precision, the block size."""
-        return hashlib.sha256(b"flashmemory-kv-v1|" + self.model_fingerprint + f"|{self.kv_precision}|"
+        return hashlib.sha256(b"flashmemory-kv-v1|" + self.model_fingerprint + f"|{self.kv_precision}|{self.kv_quant_range}|"
                               f"{self.block_size}|{self.num_layers}x{self.num_kv_heads}x{self.head_dim}".encode()).digest()
 
     def placement_policy(self) -> PlacementPolicy:

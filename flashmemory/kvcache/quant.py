@@ -1,8 +1,12 @@
 """KV codecs: asymmetric min/max group quantization (KIVI layout) at INT4 / INT2, and fp16 pass-through.
 
-Keys are grouped per channel (min/max over `key_group_tokens` consecutive tokens of one channel), values per
-token (min/max over `value_group_channels` consecutive channels of one token). Scales and zero points are
-fp16. Codes are packed along head_dim: two INT4 or four INT2 codes per byte (planar: see `pack`).
+Keys are grouped per channel (`key_group_tokens` consecutive tokens of one channel), values per token
+(`value_group_channels` consecutive channels of one token). Scales and zero points are fp16. Codes are packed
+along head_dim: two INT4 or four INT2 codes per byte (planar: see `pack`).
+
+A group's range is its min/max shrunk toward its midpoint by the factor (of `RANGE_SHRINK[bits]`) that gives the
+least squared error ("mse", the default): with four INT2 levels, min/max spends most codes on the few outliers
+and the bulk of a group rounds coarsely. The stored format is the same as plain min/max ("minmax").
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ import torch
 # Every codec turns keys and values [..., tokens, head_dim] into named parts and back.
 Parts = dict[str, torch.Tensor]
 
+QUANT_RANGES = ("mse", "minmax")
+# Shrink factors of a group's min/max range tried by the "mse" range (1.0 = min/max itself).
+RANGE_SHRINK = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5), 4: (1.0, 0.92, 0.84, 0.76)}
+
 
 @dataclass(frozen=True)
 class Codec:
@@ -22,14 +30,22 @@ class Codec:
     bits: int  # 16 (fp16 pass-through), 4 or 2
     key_group_tokens: int = 16  # tokens sharing one per-channel scale/zero of the keys
     value_group_channels: int = 32  # channels sharing one per-token scale/zero of the values
+    quant_range: str = "mse"  # "mse" (least-squares shrink of min/max) or "minmax"
 
     def __post_init__(self) -> None:
         if self.bits not in (2, 4, 16):
             raise ValueError(f"unsupported bit width {self.bits}")
+        if self.quant_range not in QUANT_RANGES:
+            raise ValueError(f"unknown quant_range {self.quant_range!r}; choose one of {QUANT_RANGES}")
 
     @property
     def name(self) -> str:
         return "fp16" if self.bits == 16 else f"int{self.bits}"
+
+    @property
+    def shrink(self) -> tuple[float, ...]:
+        """The factors of a group's min/max range its encoding tries (1.0 alone: min/max)."""
+        return RANGE_SHRINK[self.bits] if self.quant_range == "mse" and self.bits < 16 else (1.0,)
 
     def part_shapes(self, lead: tuple[int, ...], tokens: int, head_dim: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Shapes and dtypes of the parts of one block whose keys/values are [*lead, tokens, head_dim].
@@ -62,8 +78,8 @@ class Codec:
         """k, v: [..., tokens, head_dim] (any float dtype) -> parts."""
         if self.bits == 16:
             return {"kv": torch.stack((k, v), dim=-3).to(torch.float16)}
-        kc, ks, kz = quantize(k, self.bits, axis=-2, group=self.key_group_tokens)
-        vc, vs, vz = quantize(v, self.bits, axis=-1, group=self.value_group_channels)
+        kc, ks, kz = quantize(k, self.bits, axis=-2, group=self.key_group_tokens, shrink=self.shrink)
+        vc, vs, vz = quantize(v, self.bits, axis=-1, group=self.value_group_channels, shrink=self.shrink)
         return {"codes": torch.stack((kc, vc), dim=-3), "k_scale": ks, "k_zero": kz, "v_scale": vs, "v_zero": vz}
 
     def decode(self, parts: Parts, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,22 +116,65 @@ def _grouped(x: torch.Tensor, axis: int, group: int) -> tuple[torch.Tensor, int]
     return x.view(*lead, t, d // group, group), -1  # [..., T, D/g, g]
 
 
-def quantize(x: torch.Tensor, bits: int, axis: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max quantization of x [..., T, D] in groups of `group` along `axis` (-2 tokens, -1 channels).
+def quantize(x: torch.Tensor, bits: int, axis: int, group: int,
+             shrink: tuple[float, ...] = (1.0,)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric quantization of x [..., T, D] in groups of `group` along `axis` (-2 tokens, -1 channels).
 
+    Each group's range is its [min, max] shrunk about its midpoint by the factor in `shrink` that quantizes the
+    group with the least squared error (values outside the range clamp to its ends); `(1.0,)` is plain min/max.
     Returns (packed codes [..., T, D*bits/8] uint8, scale, zero) with scale/zero fp16 of shape
     [..., T/group, D] (axis -2) or [..., T, D/group] (axis -1).
     """
     levels = (1 << bits) - 1
     xg, red = _grouped(x.float().contiguous(), axis, group)
-    lo = xg.amin(dim=red, keepdim=True)
-    hi = xg.amax(dim=red, keepdim=True)
-    scale = ((hi - lo) / levels).to(torch.float16)
-    zero = lo.to(torch.float16)
+    chosen = _native_range(xg, axis, bits, shrink) if len(shrink) > 1 else None
+    if chosen is not None:
+        scale, zero = chosen
+    else:
+        scale, zero = _torch_range(xg, red, levels, shrink)
     # Quantize against the fp16-rounded scale/zero that decoding will use, so rounding is not paid twice.
-    s = scale.float().clamp_min(1e-8)
-    codes = ((xg - zero.float()) / s).round_().clamp_(0, levels).to(torch.uint8).reshape(x.shape)
-    return pack(codes, bits), scale.squeeze(red), zero.squeeze(red)
+    codes = ((xg - zero.float()) / scale.float().clamp_min(1e-8)).round_().clamp_(0, levels)
+    packed = pack(codes.to(torch.uint8).reshape(x.shape), bits)
+    return packed, scale.squeeze(red), zero.squeeze(red)
+
+
+def _torch_range(xg: torch.Tensor, red: int, levels: int,
+                 shrink: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's fp16 (scale, zero): the factor with the least squared error, errors measured against the
+    fp16-rounded scale and zero (what decoding sees); the first factor wins ties."""
+    lo, hi = xg.amin(dim=red, keepdim=True), xg.amax(dim=red, keepdim=True)
+    scale, zero = _range(lo, hi, shrink[0], levels)
+    if len(shrink) == 1:
+        return scale, zero
+    err = None
+    for factor in shrink:
+        s_f, z_f = _range(lo, hi, factor, levels)
+        s, z = s_f.float().clamp_min(1e-8), z_f.float()
+        e = ((xg - z) / s).round_().clamp_(0, levels).mul_(s).add_(z).sub_(xg).square_().sum(red, keepdim=True)
+        if err is None:
+            err = e
+            continue
+        better = e < err
+        err = torch.minimum(e, err)
+        scale, zero = torch.where(better, s_f, scale), torch.where(better, z_f, zero)
+    return scale, zero
+
+
+def _native_range(xg: torch.Tensor, axis: int, bits: int,
+                  shrink: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The compiled kernel's choice of the same ranges (None where it cannot run). Imported here, at the call:
+    the native package's decode path imports this module."""
+    from flashmemory.kvcache.native.quant_range import native_quant_range
+
+    return native_quant_range(xg, axis, bits, shrink)
+
+
+def _range(lo: torch.Tensor, hi: torch.Tensor, factor: float, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 (scale, zero) of the range [lo, hi] shrunk about its midpoint by `factor` (1.0: min/max exactly)."""
+    if factor == 1.0:
+        return ((hi - lo) / levels).to(torch.float16), lo.to(torch.float16)
+    half = (hi - lo) * (0.5 * factor)
+    return (half * (2.0 / levels)).to(torch.float16), ((hi + lo) * 0.5 - half).to(torch.float16)
 
 
 def unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ class TieredKVCache(KVCache):
     def __init__(self, cfg: TieredCacheConfig) -> None:
         self.cfg = cfg
         self.policy = cfg.placement_policy()
-        self.codecs = level_codecs(cfg.kv_precision, cfg.block_size, cfg.head_dim)
+        self.codecs = level_codecs(cfg.kv_precision, cfg.block_size, cfg.head_dim, cfg.kv_quant_range)
         self.levels: dict[Level, StorageLevel] = build_levels(cfg, self.codecs)
         self.prefix_cache = PrefixCache(cfg.block_size, cfg.prefix_namespace()) if cfg.prefix_caching else None
         # Decode reads differ from prefill's FP16 reads (a quantized window copy or query-aware selection).

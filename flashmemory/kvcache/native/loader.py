@@ -10,7 +10,7 @@ from pathlib import Path
 from flashmemory.native_build import BASE_FLAGS, build_library
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("decode_attention.c", "quest_select.c", "heat_mlp.c", "access_stats.c"))
+                for name in ("decode_attention.c", "quest_select.c", "heat_mlp.c", "access_stats.c", "quant_range.c"))
 # -fopenmp: decode attention splits its blocks over torch's OpenMP threads (the same libgomp, loaded by torch first).
 FLAGS = (*BASE_FLAGS, "-fopenmp")
 MAX_BLOCK_TOKENS = 64  # FM_MAX_TOKENS in the C source
@@ -18,6 +18,7 @@ MAX_HEAD_DIM = 256  # FM_MAX_DIM
 MAX_GROUP = 32  # FM_MAX_GROUP: query heads per KV head
 MLP_MAX_HIDDEN = 64  # FM_MLP_MAX_HIDDEN in heat_mlp.c (hidden sizes must be multiples of 8)
 MLP_MAX_FEATURES = 64  # FM_MLP_MAX_FEATURES
+MAX_RANGE_FACTORS = 16  # FM_RANGE_MAX_FACTORS in quant_range.c
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -49,4 +50,6 @@ def library() -> ctypes.CDLL | None:
     f32 = ctypes.c_float
     lib.fm_heat_rank.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, f32, _I64, _I64, f32, _I64, f32, _I64,
                                  _I64, f32, _PTR]
+    lib.fm_quant_range.restype = ctypes.c_int
+    lib.fm_quant_range.argtypes = [_PTR, _I64, _I64, _I64, ctypes.c_int, _PTR, ctypes.c_int, _PTR, _PTR]
     return lib

@@ -8,6 +8,11 @@ smallest subnormal step), an unclamped code is off by at most half a step, scale
 s = (hi - lo) / levels; a code clamped at `levels` (scale rounded down) is off by at most levels (u s + t) +
 u |lo| + t; one clamped at 0 by at most u |lo| + t. Their sum, plus float32 rounding of the decode, bounds every
 element.
+
+With the "mse" range the group's range is [lo, hi] shrunk about its midpoint by one factor f of the codec's list:
+an element inside it is off by half of the shrunk step, one outside it (clamped to its end) by at most
+(1 - f) (hi - lo) / 2. The bound takes the larger over the list's factors (which one a group chose is the
+encoder's business; the checker also compares the stored parts with the codec's own encoding).
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ FP16_TINY = 2.0**-24  # fp16's smallest subnormal step: where relative rounding 
 FP32_SLACK = 4 * 2.0**-24  # float32 rounding of code * scale + zero, relative to the magnitudes involved
 
 
-def group_error_bound(x: torch.Tensor, bits: int, axis: int, group: int) -> torch.Tensor:
+def group_error_bound(x: torch.Tensor, bits: int, axis: int, group: int,
+                      shrink: tuple[float, ...] = (1.0,)) -> torch.Tensor:
     """Largest decode error the codec may make on each element of x [..., T, D] (float64, same shape), quantized in
-    groups of `group` consecutive elements along `axis` (-2: tokens, as keys are; -1: channels, as values are)."""
+    groups of `group` consecutive elements along `axis` (-2: tokens, as keys are; -1: channels, as values are),
+    each group's range its min/max shrunk by one of the factors in `shrink` (quant.RANGE_SHRINK)."""
     levels = (1 << bits) - 1
     x = x.double()
     *lead, t, d = x.shape
@@ -31,16 +38,21 @@ def group_error_bound(x: torch.Tensor, bits: int, axis: int, group: int) -> torc
         grouped, reduce = x.view(*lead, t, d // group, group), -1  # [..., T, D/g, g]
     lo = grouped.amin(dim=reduce, keepdim=True)
     hi = grouped.amax(dim=reduce, keepdim=True)
-    step = (hi - lo) / levels
     u, tiny = FP16_UNIT_ROUNDOFF, FP16_TINY
-    half_step = 0.5 * step * (1 + u) + 0.5 * tiny
-    clamped = levels * (u * step + tiny) + u * lo.abs() + tiny
-    arithmetic = FP32_SLACK * (lo.abs() + hi.abs() + levels * step)
-    return (half_step + clamped + arithmetic).expand_as(grouped).reshape(x.shape)
+    worst = torch.zeros_like(lo)
+    for factor in shrink:
+        step = (hi - lo) * factor / levels
+        outside = (hi - lo) * (1 - factor) * 0.5  # a value beyond the shrunk range, clamped to its end
+        start = (lo + hi) * 0.5 - step * levels * 0.5  # the range's low end, the zero point before rounding
+        half_step = 0.5 * step * (1 + u) + 0.5 * tiny
+        clamped = levels * (u * step + tiny) + u * start.abs() + tiny
+        arithmetic = FP32_SLACK * (start.abs() + hi.abs() + lo.abs() + levels * step)
+        worst = torch.maximum(worst, torch.maximum(half_step, outside) + clamped + arithmetic)
+    return worst.expand_as(grouped).reshape(x.shape)
 
 
 def kv_error_bound(k: torch.Tensor, v: torch.Tensor, bits: int, key_group_tokens: int,
-                   value_group_channels: int) -> torch.Tensor:
+                   value_group_channels: int, shrink: tuple[float, ...] = (1.0,)) -> torch.Tensor:
     """Bounds [2, ..., T, D] for keys (grouped per channel over tokens) and values (per token over channels)."""
-    return torch.stack((group_error_bound(k, bits, -2, key_group_tokens),
-                        group_error_bound(v, bits, -1, value_group_channels)))
+    return torch.stack((group_error_bound(k, bits, -2, key_group_tokens, shrink),
+                        group_error_bound(v, bits, -1, value_group_channels, shrink)))
