@@ -32,6 +32,8 @@ MODES = ("none", "lru", "predictor")
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model file or folder (default: the embedded SmolLM2); the shipped "
+                   "predictor was trained on SmolLM2's traces, so another model measures how it transfers")
     p.add_argument("--text", default=str(DATA / "plrabn12.txt"), help="held-out text (default plrabn12.txt)")
     p.add_argument("--context", type=int, default=8000, help="prefilled tokens")
     p.add_argument("--rounds", type=int, default=3)
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-trace", default=None, help="write the run's access trace here (.npz)")
     args = p.parse_args(argv)
 
-    engine = FlashMemoryEngine(num_threads=args.threads, active_window=args.active_window,
+    engine = FlashMemoryEngine(model_path=args.model, num_threads=args.threads, active_window=args.active_window,
                                warm_tokens=args.warm_tokens, record_traces=True)
     cache = engine.cache
     text = Path(args.text).read_text(encoding="utf-8", errors="replace")
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         cache.trace.save(args.save_trace)
     x, y, g = trace_dataset(cache.trace, horizon_steps=1)
     quality = compare_with_lru(predictor, x, y, g)
-    result = {"context_tokens": args.context, "text": Path(args.text).name, "strategy": args.strategy,
+    result = {"model": engine.config.model_path or "embedded SmolLM2", "context_tokens": args.context, "text": Path(args.text).name, "strategy": args.strategy,
               "active_window": args.active_window, "warm_tokens": args.warm_tokens, "threads": args.threads,
               "rounds": args.rounds, "steps": args.steps, "prefill_s": prefill_s, "modes": summary,
               "ranking": quality, "runs": runs}

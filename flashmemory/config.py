@@ -67,6 +67,10 @@ class EngineConfig:
         256, "fewest tokens a decode step reads from each of L1 and L2 when it selects (a floor under "
         "warm_budget_tokens and semantic_truncate_threshold; short histories otherwise read a few blocks)",
         unit="tokens", ge=0)
+    selection_box_tokens: int = setting(
+        0, "keys per min/max box of a block's selection digest: a block scores as its best box (a tighter bound "
+        "than one box over the block; digest memory grows with the boxes); 0 = one box per block; must divide "
+        "block_size", unit="tokens", ge=0)
     selection_prompt_tokens: int = setting(
         128, "per layer and KV head, tokens of L1 and of L2 blocks that the prompt's last tokens point to, read at "
         "every decode step of the answer (within the budget; 0 = off)", unit="tokens", ge=0)

@@ -114,6 +114,7 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
         selection_min_tokens=engine_cfg.selection_min_tokens,
         selection_prompt_tokens=engine_cfg.selection_prompt_tokens,
         selection=engine_cfg.selection,
+        selection_box_tokens=engine_cfg.selection_box_tokens,
         kv_precision=engine_cfg.kv_precision,
         kv_quant_range=engine_cfg.kv_quant_range,
         max_num_seqs=engine_cfg.max_num_seqs,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashmemory.errors import ConfigError
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.manager.policy import PlacementPolicy
 from flashmemory.kvcache.quant import Codec
@@ -43,6 +44,7 @@ class TieredCacheConfig:
     selection_min_tokens: int = 256  # floor under either level's budget (a fraction of a short history is tiny)
     selection_prompt_tokens: int = 128  # per level, layer and KV head: blocks the prompt's end points to (hints)
     selection: str = "quest"  # "quest" (query-aware) or "exact" (attend everything)
+    selection_box_tokens: int = 0  # keys per min/max box of a block's digest (0 or >= block_size: one box)
     kv_precision: str = "mixed"  # "fp16" | "int4" | "mixed"
     kv_quant_range: str = "mse"  # how INT4/INT2 groups pick their range: "mse" | "minmax" (quant.py)
     num_sink_blocks: int = 1  # first blocks pinned to L0 (attention sinks)
@@ -66,10 +68,23 @@ class TieredCacheConfig:
     attention_backend: str = "auto"  # decode attention: "auto" (the native CPU kernel where it runs), "native", "torch"
     level_media: dict[Level, str] = field(default_factory=dict)  # a level's medium by name (levels/registry.py)
 
+    @property
+    def digest_boxes(self) -> int:
+        """Boxes per block in the selection digest (read/selection.py's key_digest)."""
+        box = self.selection_box_tokens
+        if box <= 0 or box >= self.block_size:
+            return 1
+        if self.block_size % box:
+            raise ConfigError(f"selection_box_tokens={box} does not divide block_size={self.block_size}: choose a "
+                              f"divisor of the block (e.g. {self.block_size // 2}) or 0 for one box per block")
+        return self.block_size // box
+
     def prefix_namespace(self) -> bytes:
-        """What a block's name depends on besides its tokens: the model, every level's precision, the block size."""
-        return hashlib.sha256(b"flashmemory-kv-v1|" + self.model_fingerprint + f"|{self.kv_precision}|{self.kv_quant_range}|"
-                              f"{self.block_size}|{self.num_layers}x{self.num_kv_heads}x{self.head_dim}".encode()).digest()
+        """What a block's name depends on besides its tokens: the model, every level's precision and how it rounds,
+        the block size, the digest's boxes (persisted digests are kept with the blocks)."""
+        settings = (f"|{self.kv_precision}|{self.kv_quant_range}|boxes={self.digest_boxes}|{self.block_size}|"
+                    f"{self.num_layers}x{self.num_kv_heads}x{self.head_dim}")
+        return hashlib.sha256(b"flashmemory-kv-v1|" + self.model_fingerprint + settings.encode()).digest()
 
     def placement_policy(self) -> PlacementPolicy:
         return PlacementPolicy(self.block_size, self.active_window, self.warm_tokens, self.num_sink_blocks,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashmemory.errors import ConfigError
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.tiered import TieredKVCache
 from tests.kvcache.synthetic import SyntheticSequence, tiny_config
@@ -75,6 +76,28 @@ def test_quantized_levels_stay_close_and_selection_reads_a_fraction(tmp_path):
     assert errors["exact"] < 0.4 and errors["exact"] < errors["quest"]
     assert fractions["exact"] == (0.0, 0.0)  # nothing selected: every block read
     assert 0 < fractions["quest"][1] < 1 and 0 < fractions["quest"][0] <= 1
+
+
+def test_boxes_in_the_digest_select_through_the_whole_cache_and_report_their_memory(tmp_path):
+    stats = {}
+    for box in (0, 4):
+        cache = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path / str(box)), semantic_truncate_threshold=0.5,
+                                          warm_budget_tokens=8, selection_min_tokens=0, selection_box_tokens=box))
+        seq = SyntheticSequence(0, 90, seed=3)
+        cache.add_sequence(0)
+        seq.forward(cache, 0, 70)
+        decoded = torch.cat([seq.forward(cache, t, t + 1) for t in range(70, 90)], dim=1).double()
+        assert torch.isfinite(decoded).all()
+        stats[box] = cache.stats()
+        cache.close()
+    assert stats[4]["selection_digest_bytes_per_token"] == 2 * stats[0]["selection_digest_bytes_per_token"]
+    assert stats[4]["selection_digest_bytes"] == 2 * stats[0]["selection_digest_bytes"]
+    assert 0 < stats[4]["L2_selected_fraction"] < 1
+
+
+def test_a_box_that_does_not_divide_the_block_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="selection_box_tokens=3 does not divide block_size=8"):
+        TieredKVCache(tiny_config(selection_box_tokens=3))
 
 
 def test_memory_and_disk_the_os_commits_stay_at_the_working_set(tmp_path):

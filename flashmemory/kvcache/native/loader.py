@@ -41,7 +41,8 @@ def library() -> ctypes.CDLL | None:
     lib.fm_decode_end.restype = None
     lib.fm_decode_end.argtypes = [_PTR, _I64, _I64, _PTR]
     lib.fm_quest_select.restype = ctypes.c_int
-    lib.fm_quest_select.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
+    lib.fm_quest_select.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR,
+                                    _PTR]
     lib.fm_access_update.restype = ctypes.c_int
     lib.fm_access_update.argtypes = [_I64] * 6 + [_PTR, _I64] + [_PTR] * 9
     lib.fm_access_features.restype = ctypes.c_int

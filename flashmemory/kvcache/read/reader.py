@@ -217,9 +217,9 @@ class BlockReader:
             "selection_steps": steps,
             "selection_old_read_fraction": sum(self.selected_blocks.values()) / candidates if candidates else 0.0,
             "selection_ms_per_step": self.selection_seconds / steps * 1e3 if steps else 0.0,
-            # float32 centre and radius per channel, layer and KV head: per token of history, and held now
+            # float32 centre and radius per channel, box, layer and KV head: per token of history, and held now
             "selection_digest_bytes_per_token": cfg.num_layers * cfg.num_kv_heads * 2 * cfg.head_dim * 4
-            / cfg.block_size,
+            * cfg.digest_boxes / cfg.block_size,
             "selection_digest_bytes": sum(d.numel() * d.element_size() for d in digests if d is not None),
         }
         for level in (Level.HOST, Level.DISK):

@@ -3,6 +3,10 @@
 A block's digest stores, per channel, the centre and the radius of the keys' [min, max] box. The largest q.k
 any key in the box can reach is sum_c max(q_c min_c, q_c max_c) = q . centre + |q| . radius, so scoring every
 block of a level is one batched matrix product per KV head instead of a pass over a 4-D tensor.
+
+A block may have several boxes, each over `box_tokens` consecutive keys (`selection_box_tokens`): the block's
+bound is then the largest of its boxes' bounds, never looser than one box over the block and tighter where the
+keys of its halves point different ways. Digest row: the boxes one after another, each centre then radius.
 """
 
 from __future__ import annotations
@@ -10,23 +14,30 @@ from __future__ import annotations
 import torch
 
 
-def key_digest(keys: torch.Tensor) -> torch.Tensor:
-    """keys [..., tokens, head_dim] -> digest [..., 2 * head_dim] (float32): centre then radius of each channel."""
-    lo, hi = keys.float().aminmax(dim=-2)
-    return torch.cat(((hi + lo) * 0.5, (hi - lo) * 0.5), dim=-1)
+def key_digest(keys: torch.Tensor, box_tokens: int = 0) -> torch.Tensor:
+    """keys [..., tokens, head_dim] -> digest [..., boxes * 2 * head_dim] (float32): per box of `box_tokens`
+    consecutive keys (0: one box over all of them), the centre then the radius of each channel."""
+    *lead, tokens, head_dim = keys.shape
+    boxes = tokens // box_tokens if 0 < box_tokens < tokens else 1
+    lo, hi = keys.float().reshape(*lead, boxes, tokens // boxes, head_dim).aminmax(dim=-2)
+    return torch.cat(((hi + lo) * 0.5, (hi - lo) * 0.5), dim=-1).reshape(*lead, boxes * 2 * head_dim)
 
 
 def block_scores(q: torch.Tensor, digest: torch.Tensor) -> torch.Tensor:
     """Upper bound of q.k over each block's keys, the largest over the query heads sharing a KV head.
 
-    q: [num_heads, head_dim] (one decode token); digest: [num_kv_heads, num_blocks, 2 * head_dim]
+    q: [num_heads, head_dim] (one decode token); digest: [num_kv_heads, num_blocks, boxes * 2 * head_dim]
     returns [num_kv_heads, num_blocks]
     """
-    num_kv_heads, _, width = digest.shape
-    group = q.shape[0] // num_kv_heads
+    num_kv_heads, num_blocks, width = digest.shape
+    group, box_width = q.shape[0] // num_kv_heads, 2 * q.shape[1]
+    boxes = width // box_width
     q = q.float()
-    q_ext = torch.cat((q, q.abs()), dim=-1).view(num_kv_heads, group, width)  # [heads, group, 2D]
-    return torch.bmm(digest, q_ext.transpose(1, 2)).amax(dim=-1)  # [heads, blocks]
+    q_ext = torch.cat((q, q.abs()), dim=-1).view(num_kv_heads, group, box_width)  # [heads, group, 2D]
+    if boxes == 1:
+        return torch.bmm(digest, q_ext.transpose(1, 2)).amax(dim=-1)  # [heads, blocks]
+    per_box = torch.bmm(digest.reshape(num_kv_heads, num_blocks * boxes, box_width), q_ext.transpose(1, 2))
+    return per_box.view(num_kv_heads, num_blocks, boxes * group).amax(dim=-1)
 
 
 def select_blocks(q: torch.Tensor, digest: torch.Tensor, budget: int) -> torch.Tensor:

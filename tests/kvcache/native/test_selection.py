@@ -43,6 +43,18 @@ def test_native_selection_equals_the_torch_path_on_random_digests(kv_heads, grou
 
 
 @needs_kernel
+@pytest.mark.parametrize("boxes", [2, 4])
+def test_native_selection_with_boxes_equals_the_torch_path(boxes):
+    torch.manual_seed(boxes)
+    q, digest = torch.randn(9, 64), torch.randn(3, 50, boxes * 128)
+    digest[..., 64::128] = digest[..., 64::128].abs()  # radii are not negative
+    scores = torch.empty(3, 50)
+    ours = _kernel().select(q, digest, 11, scores=scores)
+    assert ours is not None and torch.equal(ours, _torch_choice(q, digest, 11))
+    torch.testing.assert_close(scores, block_scores(q, digest), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
 def test_native_selection_lifts_the_same_hints_as_the_torch_path():
     torch.manual_seed(3)
     q, digest = torch.randn(9, 64), torch.randn(3, 60, 128)

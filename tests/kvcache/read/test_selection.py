@@ -31,3 +31,19 @@ def test_bound_is_quests_min_max_bound_and_bounds_every_score():
     assert (scores <= bound + 1e-5).all()
     ranked = torch.argsort(quest[0], descending=True)[:3].sort().values
     assert torch.equal(select_blocks(q, key_digest(keys), 3)[0], ranked)
+
+
+def test_a_block_with_boxes_scores_as_its_best_box_and_never_above_one_box():
+    torch.manual_seed(7)
+    keys = torch.randn(2, 12, 16, 32)  # [kv_heads, blocks, tokens, D]
+    keys[:, 5, :8] += 3.0  # one half of a block points one way, the other half another
+    keys[:, 5, 8:] -= 3.0
+    q = torch.randn(6, 32)  # 3 query heads per KV head
+    one_box, four_boxes = block_scores(q, key_digest(keys)), block_scores(q, key_digest(keys, 4))
+    assert bool((four_boxes <= one_box + 1e-5).all())  # a box inside the block's box bounds no higher
+    per_box = torch.stack([block_scores(q, key_digest(keys[:, :, i * 4:(i + 1) * 4])) for i in range(4)])
+    torch.testing.assert_close(four_boxes, per_box.amax(dim=0))
+    # Every key's own score is still under its block's bound: the boxes cover every key.
+    exact = torch.einsum("hgd,hbtd->hbtg", q.view(2, 3, 32), keys).amax(dim=(-1, -2))
+    assert bool((exact <= four_boxes + 1e-4).all())
+    assert key_digest(keys, 4).shape == (2, 12, 4 * 2 * 32) and key_digest(keys, 16).shape == (2, 12, 64)

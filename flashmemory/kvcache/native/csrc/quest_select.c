@@ -2,8 +2,8 @@
  * prompt's hinted blocks above the rest, keep the `budget` best per KV head (ascending). The torch path
  * (kvcache/read/selection.py, hints.py) is the reference; this is the same rule in one call instead of ~20 ops.
  *
- * Score of block b for KV head h: the largest over the G query heads g of h of
- *     sum_c q[g][c] * centre[b][c] + |q[g][c]| * radius[b][c]          (digest row = centre[D] then radius[D])
+ * Score of block b for KV head h: the largest over the G query heads g of h and the block's boxes x of
+ *     sum_c q[g][c] * centre[b][x][c] + |q[g][c]| * radius[b][x][c]     (digest row = per box centre[D], radius[D])
  * Order: hinted blocks first (among them the lower position), then higher scores, then (ties) the lower block
  * position; the torch path breaks ties the same way (a stable descending sort, hinted blocks lifted to +inf). Scores summed in another order than torch's may differ in the
  * last bits, so two blocks whose bounds are that close may rank differently on the two paths.
@@ -58,16 +58,16 @@ static void select_kth_largest(uint64_t *a, int64_t n, int64_t k) {
     }
 }
 
-/* q [H * G][D] float32 (one token); digest rows of 2 * D floats at digest + h * head_stride + b * block_stride;
+/* q [H * G][D] float32 (one token); digest rows of boxes * 2 * D floats at digest + h * head_stride + b * block_stride;
  * indices [n] ascending logical block indices and hints [H][num_hints] logical indices (hints may be NULL: none;
  * a hint not among the indices changes nothing); chosen [H][budget] int64 block positions, ascending; scores
  * [H][n] float32, the raw (unlifted) scores, or NULL. D a multiple of 8. Returns 0, or -1 outside the kernel's
  * limits (the caller then runs the torch path). */
-int fm_quest_select(const float *q, int64_t H, int64_t G, int64_t D, const float *digest, int64_t head_stride,
-                    int64_t block_stride, int64_t n, const int64_t *indices, const int64_t *hints,
-                    int64_t num_hints, int64_t budget, int64_t *chosen, float *scores) {
+int fm_quest_select(const float *q, int64_t H, int64_t G, int64_t D, const float *digest, int64_t boxes,
+                    int64_t head_stride, int64_t block_stride, int64_t n, const int64_t *indices,
+                    const int64_t *hints, int64_t num_hints, int64_t budget, int64_t *chosen, float *scores) {
     if (D > FM_SELECT_MAX_DIM || D % 8 || G > FM_SELECT_MAX_GROUP || G < 1 || n < 1 || n > FM_SELECT_MAX_BLOCKS ||
-        budget < 1 || budget > n)
+        budget < 1 || budget > n || boxes < 1)
         return -1;
     uint64_t *keys = malloc(sizeof(uint64_t) * (size_t)n * 2);
     if (keys == NULL) return -1;
@@ -83,18 +83,20 @@ int fm_quest_select(const float *q, int64_t H, int64_t G, int64_t D, const float
         }
         const float *dh = digest + h * head_stride;
         for (int64_t b = 0; b < n; b++) {
-            const float *row = dh + b * block_stride;
             float best = 0;
-            for (int64_t g = 0; g < G; g++) {
-                /* two vector accumulators: the multiply-adds of a row are not serialised on one register */
-                fm_sv8 a0 = {0}, a1 = {0};
-                for (int64_t c = 0; c < 2 * D; c += 16) {
-                    a0 += load_sv8(row + c) * load_sv8(qx[g] + c);
-                    a1 += load_sv8(row + c + 8) * load_sv8(qx[g] + c + 8);
+            for (int64_t x = 0; x < boxes; x++) {
+                const float *row = dh + b * block_stride + x * 2 * D;
+                for (int64_t g = 0; g < G; g++) {
+                    /* two vector accumulators: the multiply-adds of a row are not serialised on one register */
+                    fm_sv8 a0 = {0}, a1 = {0};
+                    for (int64_t c = 0; c < 2 * D; c += 16) {
+                        a0 += load_sv8(row + c) * load_sv8(qx[g] + c);
+                        a1 += load_sv8(row + c + 8) * load_sv8(qx[g] + c + 8);
+                    }
+                    a0 += a1;
+                    const float s = ((a0[0] + a0[4]) + (a0[1] + a0[5])) + ((a0[2] + a0[6]) + (a0[3] + a0[7]));
+                    best = ((x == 0 && g == 0) || s > best) ? s : best;
                 }
-                a0 += a1;
-                const float s = ((a0[0] + a0[4]) + (a0[1] + a0[5])) + ((a0[2] + a0[6]) + (a0[3] + a0[7]));
-                best = (g == 0 || s > best) ? s : best;
             }
             if (scores != NULL) scores[h * n + b] = best;
             keys[b] = rank_key(best, 0, b);
