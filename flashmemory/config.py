@@ -48,8 +48,8 @@ class EngineConfig:
                                 choices=("mixed", "int4", "fp16"))
     kv_quant_range: str = setting(
         "mse", "range of each INT4/INT2 group (same stored format): mse (min/max shrunk toward its middle by the "
-        "factor with the least squared error; outliers clamp) or minmax (every value inside the range)",
-        choices=("mse", "minmax"))
+        "factor with the least squared error; outliers clamp), mse-values (values so, keys min/max) or minmax "
+        "(every value inside the range)", choices=("mse", "mse-values", "minmax"))
     max_gpu_memory_mb: int | None = setting(
         None, "device budget for weights + workspace + L0 KV; None = size L0 for max_num_seqs", unit="MiB", ge=1)
     active_window: int = setting(2048, "newest tokens kept in L0", unit="tokens", ge=1)

@@ -18,7 +18,7 @@ import torch
 # Every codec turns keys and values [..., tokens, head_dim] into named parts and back.
 Parts = dict[str, torch.Tensor]
 
-QUANT_RANGES = ("mse", "minmax")
+QUANT_RANGES = ("mse", "mse-values", "minmax")  # mse-values: values "mse", keys min/max
 # Shrink factors of a group's min/max range tried by the "mse" range (1.0 = min/max itself).
 RANGE_SHRINK = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5), 4: (1.0, 0.92, 0.84, 0.76)}
 
@@ -30,7 +30,7 @@ class Codec:
     bits: int  # 16 (fp16 pass-through), 4 or 2
     key_group_tokens: int = 16  # tokens sharing one per-channel scale/zero of the keys
     value_group_channels: int = 32  # channels sharing one per-token scale/zero of the values
-    quant_range: str = "mse"  # "mse" (least-squares shrink of min/max) or "minmax"
+    quant_range: str = "mse"  # "mse" (least-squares shrink of min/max), "mse-values" (values only) or "minmax"
 
     def __post_init__(self) -> None:
         if self.bits not in (2, 4, 16):
@@ -43,9 +43,14 @@ class Codec:
         return "fp16" if self.bits == 16 else f"int{self.bits}"
 
     @property
-    def shrink(self) -> tuple[float, ...]:
-        """The factors of a group's min/max range its encoding tries (1.0 alone: min/max)."""
+    def key_shrink(self) -> tuple[float, ...]:
+        """The factors of a key group's min/max range its encoding tries (1.0 alone: min/max)."""
         return RANGE_SHRINK[self.bits] if self.quant_range == "mse" and self.bits < 16 else (1.0,)
+
+    @property
+    def value_shrink(self) -> tuple[float, ...]:
+        """The factors of a value group's min/max range its encoding tries (1.0 alone: min/max)."""
+        return RANGE_SHRINK[self.bits] if self.quant_range != "minmax" and self.bits < 16 else (1.0,)
 
     def part_shapes(self, lead: tuple[int, ...], tokens: int, head_dim: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Shapes and dtypes of the parts of one block whose keys/values are [*lead, tokens, head_dim].
@@ -78,8 +83,8 @@ class Codec:
         """k, v: [..., tokens, head_dim] (any float dtype) -> parts."""
         if self.bits == 16:
             return {"kv": torch.stack((k, v), dim=-3).to(torch.float16)}
-        kc, ks, kz = quantize(k, self.bits, axis=-2, group=self.key_group_tokens, shrink=self.shrink)
-        vc, vs, vz = quantize(v, self.bits, axis=-1, group=self.value_group_channels, shrink=self.shrink)
+        kc, ks, kz = quantize(k, self.bits, axis=-2, group=self.key_group_tokens, shrink=self.key_shrink)
+        vc, vs, vz = quantize(v, self.bits, axis=-1, group=self.value_group_channels, shrink=self.value_shrink)
         return {"codes": torch.stack((kc, vc), dim=-3), "k_scale": ks, "k_zero": kz, "v_scale": vs, "v_zero": vz}
 
     def decode(self, parts: Parts, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -115,3 +115,13 @@ def test_the_native_range_choice_matches_the_torch_loop(bits, monkeypatch):
     k_r, v_r = codec.decode(reference, torch.float32)
     assert abs((k_n - k).square().sum() / (k_r - k).square().sum() - 1) < 1e-3
     assert abs((v_n - v).square().sum() / (v_r - v).square().sum() - 1) < 1e-3
+
+
+def test_mse_values_keeps_the_keys_min_max_and_shrinks_only_the_values():
+    torch.manual_seed(4)
+    k, v = torch.randn(3, 2, 16, 64), torch.randn(3, 2, 16, 64)
+    parts = {r: Codec(2, quant_range=r).encode(k, v) for r in ("minmax", "mse", "mse-values")}
+    for name in ("k_scale", "k_zero"):
+        assert torch.equal(parts["mse-values"][name], parts["minmax"][name])
+    for name in ("v_scale", "v_zero"):
+        assert torch.equal(parts["mse-values"][name], parts["mse"][name])

@@ -51,8 +51,8 @@ def group_error_bound(x: torch.Tensor, bits: int, axis: int, group: int,
     return worst.expand_as(grouped).reshape(x.shape)
 
 
-def kv_error_bound(k: torch.Tensor, v: torch.Tensor, bits: int, key_group_tokens: int,
-                   value_group_channels: int, shrink: tuple[float, ...] = (1.0,)) -> torch.Tensor:
+def kv_error_bound(k: torch.Tensor, v: torch.Tensor, bits: int, key_group_tokens: int, value_group_channels: int,
+                   key_shrink: tuple[float, ...] = (1.0,), value_shrink: tuple[float, ...] = (1.0,)) -> torch.Tensor:
     """Bounds [2, ..., T, D] for keys (grouped per channel over tokens) and values (per token over channels)."""
-    return torch.stack((group_error_bound(k, bits, -2, key_group_tokens, shrink),
-                        group_error_bound(v, bits, -1, value_group_channels, shrink)))
+    return torch.stack((group_error_bound(k, bits, -2, key_group_tokens, key_shrink),
+                        group_error_bound(v, bits, -1, value_group_channels, value_shrink)))

@@ -92,7 +92,8 @@ def compare(codec: Codec, parts: Parts, k: torch.Tensor, v: torch.Tensor) -> tup
         return f"{differing} of {expected.numel()} FP16 values differ from what was written", 0.0
     decoded = codec.decode(parts, torch.float32).double()  # [2, ..., block_size, D]
     written = torch.stack((k, v)).double()
-    bound = kv_error_bound(k, v, codec.bits, codec.key_group_tokens, codec.value_group_channels, codec.shrink)
+    bound = kv_error_bound(k, v, codec.bits, codec.key_group_tokens, codec.value_group_channels, codec.key_shrink,
+                           codec.value_shrink)
     error = (decoded - written).abs()
     ratio = float((error / bound).max())
     if bool((error > bound).any()):

@@ -27,8 +27,9 @@ def test_the_bound_holds_for_every_element_and_is_reached(bits):
 
 
 @pytest.mark.parametrize("bits", [4, 2])
-def test_the_bound_holds_with_the_mse_range(bits):
-    codec = Codec(bits, 8, 32, quant_range="mse")
+@pytest.mark.parametrize("quant_range", ["mse", "mse-values"])
+def test_the_bound_holds_with_the_mse_range(bits, quant_range):
+    codec = Codec(bits, 8, 32, quant_range=quant_range)
     g = torch.Generator().manual_seed(10 + bits)
     for scale in (1e-3, 1.0, 30.0):
         k = (torch.randn(2, 8, 32, generator=g) * scale + scale).half()
@@ -36,7 +37,7 @@ def test_the_bound_holds_with_the_mse_range(bits):
         v[..., 5] *= 6  # an outlier the shrunk range clamps
         decoded = codec.decode(codec.encode(k, v), torch.float32).double()
         error = (decoded - torch.stack((k, v)).double()).abs()
-        assert bool((error <= kv_error_bound(k, v, bits, 8, 32, codec.shrink)).all())
+        assert bool((error <= kv_error_bound(k, v, bits, 8, 32, codec.key_shrink, codec.value_shrink)).all())
 
 
 @pytest.mark.parametrize("quant_range", ["minmax", "mse"])
