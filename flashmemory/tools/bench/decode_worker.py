@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flashmemory.errors import KVSnapshotError
 from flashmemory.tools.bench.rss import peak_rss_bytes, reset_peak_rss
 
 REPLY_PREFIX = "DECODE-REPLY "  # marks our lines among anything a library prints to stdout
@@ -45,8 +46,8 @@ class LlamaCppStepper:
         ids = context_ids[:num_tokens]
         snap_ids, keys, values = read_snapshot_kv(snapshot, num_tokens)
         if snap_ids != ids:
-            raise RuntimeError(f"{snapshot} holds the KV of other tokens than the benchmark's; pass the --text "
-                               "the snapshot was made from")
+            raise KVSnapshotError(f"{snapshot} holds the KV of other tokens than the benchmark's; pass the --text "
+                                  "the snapshot was made from")
         restore_into(self.llm, ids, keys, values)
 
     def close(self) -> None:
@@ -86,9 +87,9 @@ class FlashMemoryStepper:
         chunk = self.engine.config.prefill_chunk_tokens
         restored, _ = restore_prefill(self.engine.cache, self.seq_id, context_ids, snapshot, fingerprint, chunk)
         if restored != num_tokens:
-            raise RuntimeError(f"restored {restored} tokens, not {num_tokens}: the benchmark restores the context "
-                               f"but its last chunk of prefill_chunk_tokens ({chunk}); keep that setting at its "
-                               "default or pass a snapshot holding that many tokens")
+            raise KVSnapshotError(f"restored {restored} tokens, not {num_tokens}: the benchmark restores the context "
+                                  f"but its last chunk of prefill_chunk_tokens ({chunk}); keep that setting at its "
+                                  "default or pass a snapshot holding that many tokens")
 
     def close(self) -> None:
         self.engine.cache.free_sequence(self.seq_id, keep_cached=False)

@@ -25,6 +25,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -164,7 +165,7 @@ def read_snapshot_kv(path: Path, num_tokens: int) -> tuple[list[int], np.ndarray
     return ids, kv[0], kv[1]
 
 
-def probe_v_trans(llm, token_id: int) -> bool:
+def probe_v_trans(llm: Any, token_id: int) -> bool:
     """Whether this context stores V transposed, read from llama.cpp's own state of one evaluated token (then
     dropped): the layout follows its flash-attention setting, which an 'auto' setting decides at run time."""
     llm.reset()
@@ -174,7 +175,7 @@ def probe_v_trans(llm, token_id: int) -> bool:
     return own.v_trans
 
 
-def sequence_bytes(llm, seq_id: int = 0) -> bytes:
+def sequence_bytes(llm: Any, seq_id: int = 0) -> bytes:
     """llama.cpp's own state of one sequence (llama_state_seq_get_data)."""
     import llama_cpp
 
@@ -186,7 +187,7 @@ def sequence_bytes(llm, seq_id: int = 0) -> bytes:
     return bytes(buf)
 
 
-def restore_into(llm, token_ids: list[int], keys: np.ndarray, values: np.ndarray) -> None:
+def restore_into(llm: Any, token_ids: list[int], keys: np.ndarray, values: np.ndarray) -> None:
     """Put our KV ([num_layers, num_kv_heads, num_tokens, head_dim], post-RoPE) of token_ids into llama.cpp's
     sequence 0 at positions 0..n-1, and tell llama-cpp-python those tokens are evaluated: the next llm.eval()
     decodes at position n. Raises KVSnapshotError when the model or the cache does not fit the snapshot."""

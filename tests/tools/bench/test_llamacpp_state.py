@@ -60,6 +60,37 @@ def test_restoring_into_an_unsupported_architecture_is_refused():
         restore_into(Gemma(), [1, 2], kv, kv)
 
 
+def _snapshot(path, num_tokens: int = 6, dtype: torch.dtype = torch.float16):
+    from flashmemory.kvcache.snapshot import KVSnapshot, save_snapshot
+
+    kv = torch.randn(2, 2, 1, num_tokens, 4).to(dtype)  # [k/v, num_layers, num_kv_heads, num_tokens, head_dim]
+    save_snapshot(path, KVSnapshot(list(range(10, 10 + num_tokens)), kv[0], kv[1], {"model": "m"}))
+    return kv
+
+
+def test_a_snapshots_first_tokens_are_read_without_torch_in_our_layout(tmp_path):
+    from flashmemory.tools.bench.llamacpp_state import read_snapshot_kv
+
+    kv = _snapshot(tmp_path / "s.kvsnap")
+    ids, keys, values = read_snapshot_kv(tmp_path / "s.kvsnap", 4)
+    assert ids == [10, 11, 12, 13]
+    assert np.array_equal(keys, kv[0, :, :, :4].numpy()) and np.array_equal(values, kv[1, :, :, :4].numpy())
+
+
+def test_a_snapshot_too_short_or_not_fp16_or_not_a_snapshot_is_refused(tmp_path):
+    from flashmemory.tools.bench.llamacpp_state import read_snapshot_kv
+
+    _snapshot(tmp_path / "s.kvsnap")
+    with pytest.raises(KVSnapshotError, match="ask for at most 6"):
+        read_snapshot_kv(tmp_path / "s.kvsnap", 7)
+    _snapshot(tmp_path / "f32.kvsnap", dtype=torch.float32)
+    with pytest.raises(KVSnapshotError, match="FP16 snapshot only"):
+        read_snapshot_kv(tmp_path / "f32.kvsnap", 2)
+    (tmp_path / "other").write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(KVSnapshotError, match="not a FlashMemory KV snapshot"):
+        read_snapshot_kv(tmp_path / "other", 2)
+
+
 # --- llama.cpp itself (llama-cpp-python 0.3.36) on the 32K model ----------------------------------------------
 
 N_TOKENS = 96  # restored: the first N_TOKENS - 1; the last one and DECODE_STEPS more are decoded
