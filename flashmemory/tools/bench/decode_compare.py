@@ -130,7 +130,8 @@ def run_decode_compare(gguf_path: Path, ids_path: Path, lengths: list[int], roun
         for engine in engines:  # one at a time: loading and prefilling do not overlap
             spec = {"family": engine.family, "gguf_path": str(gguf_path), "ids_path": str(ids_path),
                     "context_tokens": length, "max_steps": rounds * steps, "threads": engine.threads or threads,
-                    "settings": engine.settings, "kv_snapshot": str(kv_snapshot), "restore_tokens": restore_tokens}
+                    "settings": engine.settings, "restore_tokens": restore_tokens,
+                    "kv_snapshot": str(kv_snapshot) if kv_snapshot else None}
             spec_path = work_dir / f"decode-{engine.name}-{length}.json"
             spec_path.write_text(json.dumps(spec))
             worker = _Worker(engine, spec_path, engine.threads or threads)
