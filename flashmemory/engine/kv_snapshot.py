@@ -21,6 +21,10 @@ from flashmemory.kvcache.interface import KVCache
 from flashmemory.kvcache.snapshot import KVSnapshot, SnapshotReader, save_snapshot
 
 FINGERPRINT_READ_BYTES = 1 << 20  # bytes hashed at each end of every model file (the header, the last tensors)
+# The fingerprint's keys that name the model and the KV geometry (not the dtype that computed the KV): a speed
+# benchmark restores one snapshot into engines of any dtype (tools/bench/decode_compare.py).
+MODEL_IDENTITY_KEYS = ("model", "model_bytes", "model_ends_sha256", "num_layers", "num_kv_heads", "head_dim",
+                       "rope_theta")
 
 
 def model_fingerprint(model_path: Path, model_config: Any, dtype: torch.dtype, weights_dtype: str) -> dict[str, Any]:
@@ -50,6 +54,11 @@ def model_fingerprint(model_path: Path, model_config: Any, dtype: torch.dtype, w
         "head_dim": model_config.head_dim,
         "rope_theta": model_config.rope_theta,
     }
+
+
+def model_identity(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The part of a fingerprint that names the model and its KV geometry (MODEL_IDENTITY_KEYS)."""
+    return {k: fingerprint[k] for k in MODEL_IDENTITY_KEYS}
 
 
 def engine_fingerprint(engine: Any) -> dict[str, Any]:

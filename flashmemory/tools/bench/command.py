@@ -55,6 +55,12 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fm-omp-wait-policy", default="PASSIVE", choices=["ACTIVE", "PASSIVE"],
                    help="--decode-only: OMP_WAIT_POLICY of FlashMemory's workers (PASSIVE: measured best on a shared "
                    "machine; llama.cpp always runs with OpenMP's default)")
+    p.add_argument("--kv-snapshot", default=None, metavar="FILE",
+                   help="--decode-only: start every engine from this snapshot (written by `flashmemory eval "
+                   "--kv-snapshot` on the same --model and --text) instead of a prefill: the context but its last "
+                   "prefill chunk is restored (llama.cpp through its sequence state, f16 KV), that chunk and the "
+                   "decode steps are computed fresh; engines: fm-mixed, fm-exact, llama.cpp at --threads and at 1 "
+                   "thread; default length: the snapshot's tokens, capped to fit the decode steps")
     p.set_defaults(func=_run_bench)
 
 
@@ -103,7 +109,8 @@ def _run_decode_compare(args: argparse.Namespace, parse_length) -> int:
     import tempfile
 
     from flashmemory.errors import ConfigError
-    from flashmemory.tools.bench.decode_compare import default_engines, run_decode_compare, to_markdown
+    from flashmemory.tools.bench.decode_compare import (SNAPSHOT_CHUNK_TOKENS, check_snapshot, default_engines,
+                                                        run_decode_compare, snapshot_engines, to_markdown)
     from flashmemory.model.loader import open_checkpoint
     from flashmemory.model.tokenizer import Tokenizer
     from flashmemory.tools.eval import default_text_path
@@ -117,17 +124,23 @@ def _run_decode_compare(args: argparse.Namespace, parse_length) -> int:
     tokenizer = Tokenizer.from_checkpoint(checkpoint.path, checkpoint.config.eos_token_ids)
     ids = tokenizer.encode(Path(text).read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
     limit = checkpoint.config.max_context_tokens - args.rounds * args.steps - 32
-    lengths = [min(parse_length(x), limit) for x in args.lengths] if args.lengths else [512, 2048, 8192]
+    snapshot = Path(args.kv_snapshot).expanduser() if args.kv_snapshot else None
+    if snapshot is not None:  # checked whole here (model, tokens, SHA-256), so a worker never restores a bad one
+        limit = min(limit, check_snapshot(snapshot, checkpoint, ids))
+    lengths = [min(parse_length(x), limit) for x in args.lengths] if args.lengths else (
+        [limit] if snapshot else [512, 2048, 8192])
     lengths = [min(n, limit) for n in lengths]
     while len(ids) < max(lengths) + args.rounds * args.steps:  # a short text is repeated
         ids = ids + ids
     threads = args.threads or min(8, len(os.sched_getaffinity(0)))
+    engines = (snapshot_engines(args.fm_omp_wait_policy, threads) if snapshot
+               else default_engines(args.fm_omp_wait_policy))
     with tempfile.TemporaryDirectory(prefix="fm-decode-") as tmp:
         ids_path = Path(tmp) / "ids.json"
         ids_path.write_text(json.dumps(ids))
         report = run_decode_compare(checkpoint.path, ids_path, lengths, args.rounds, args.steps, threads,
-                                    default_engines(args.fm_omp_wait_policy), Path(tmp),
-                                    log=lambda m: print(m, file=sys.stderr, flush=True))
+                                    engines, Path(tmp), log=lambda m: print(m, file=sys.stderr, flush=True),
+                                    kv_snapshot=snapshot, restore_chunk_tokens=SNAPSHOT_CHUNK_TOKENS)
     markdown = to_markdown(report)
     print(markdown)
     if args.json:

@@ -2,7 +2,12 @@
 (decode_worker.py) holds the same GGUF, prefills the same token ids, then runs teacher-forced decode steps in
 interleaved rounds (every engine's round r covers the same positions), so machine noise falls on all alike.
 Each engine runs with the threading it measures best at: llama.cpp with OpenMP's default wait policy, ours as
-configured (recorded); peak RSS is read in each worker, which holds only its engine (no torch in llama.cpp's)."""
+configured (recorded); peak RSS is read in each worker, which holds only its engine (no torch in llama.cpp's).
+
+With a KV snapshot (`--kv-snapshot`, written by `flashmemory eval --kv-snapshot`), every engine restores the same
+exact FP16 KV of the context but its last prefill chunk (ours through the cache's write path, llama.cpp through
+its sequence state), prefills that chunk itself, then decodes; restored: the prompt's KV; measured fresh: the
+last chunk's prefill, every decode step, and peak RSS from the end of the restore on."""
 
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ from typing import Any
 from flashmemory.tools.bench.decode_worker import REPLY_PREFIX
 
 MIB = 2**20
+# Restored context: a multiple of this (the engine's default prefill_chunk_tokens, as `flashmemory eval` restores).
+SNAPSHOT_CHUNK_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,7 @@ class DecodeEngine:
     family: str  # "flashmemory" | "llama.cpp"
     settings: dict[str, Any] = field(default_factory=dict)
     omp_wait_policy: str | None = None
+    threads: int | None = None  # None: the run's thread count
 
 
 def default_engines(fm_wait_policy: str | None) -> tuple[DecodeEngine, ...]:
@@ -42,6 +50,20 @@ def default_engines(fm_wait_policy: str | None) -> tuple[DecodeEngine, ...]:
     return engines
 
 
+def snapshot_engines(fm_wait_policy: str | None, threads: int) -> tuple[DecodeEngine, ...]:
+    """From a long snapshot: our default tiered configuration and the exact cache, and llama.cpp (f16 KV) at the
+    run's threads and at one thread."""
+    engines = (DecodeEngine("fm-mixed", "flashmemory", {"kv_cache": "tiered", "kv_precision": "mixed",
+                                                        "max_num_seqs": 1}, fm_wait_policy),
+               DecodeEngine("fm-exact", "flashmemory", {"kv_cache": "contiguous", "kv_precision": "fp16",
+                                                        "max_num_seqs": 1}, fm_wait_policy))
+    if importlib.util.find_spec("llama_cpp") is not None:
+        engines += (DecodeEngine(f"llamacpp-{threads}t", "llama.cpp", {}, None, threads),)
+        if threads > 1:
+            engines += (DecodeEngine("llamacpp-1t", "llama.cpp", {}, None, 1),)
+    return engines
+
+
 @dataclass
 class DecodeRow:
     """One engine at one context length: medians over every measured step."""
@@ -50,11 +72,15 @@ class DecodeRow:
     engine: str
     ms_per_token: float
     decode_tok_s: float
-    prefill_tok_s: float
-    peak_rss_mib: float
-    vs_llamacpp: float | None  # our tok/s over llama.cpp's (None for llama.cpp itself)
+    prefill_tok_s: float  # of the tokens prefilled (with a snapshot: the last chunk only)
+    peak_rss_mib: float  # with a snapshot: from the end of the restore on
+    vs_llamacpp: float | None  # our tok/s over the fastest llama.cpp engine's (None for llama.cpp itself)
     step_ms: list[float]
     omp_wait_policy: str
+    threads: int = 0
+    restored_tokens: int = 0  # context tokens whose KV came from the snapshot
+    restore_s: float = 0.0
+    restore_peak_rss_mib: float = 0.0  # peak RSS through loading and restoring (the restore's transient buffers)
 
 
 def _env(engine: DecodeEngine, threads: int) -> dict[str, str]:
@@ -92,21 +118,26 @@ class _Worker:
 
 def run_decode_compare(gguf_path: Path, ids_path: Path, lengths: list[int], rounds: int, steps: int, threads: int,
                        engines: tuple[DecodeEngine, ...], work_dir: Path,
-                       log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+                       log: Callable[[str], None] = lambda m: None, kv_snapshot: Path | None = None,
+                       restore_chunk_tokens: int = 0) -> dict[str, Any]:
+    """kv_snapshot: restore each length's context but its last restore_chunk_tokens-aligned chunk from it."""
     rows: list[DecodeRow] = []
     load_before = os.getloadavg()
     for length in lengths:
         workers: list[_Worker] = []
-        prefill: dict[str, float] = {}
+        start: dict[str, dict[str, Any]] = {}
+        restore_tokens = (length - 1) // restore_chunk_tokens * restore_chunk_tokens if kv_snapshot else 0
         for engine in engines:  # one at a time: loading and prefilling do not overlap
             spec = {"family": engine.family, "gguf_path": str(gguf_path), "ids_path": str(ids_path),
-                    "context_tokens": length, "max_steps": rounds * steps, "threads": threads,
-                    "settings": engine.settings}
+                    "context_tokens": length, "max_steps": rounds * steps, "threads": engine.threads or threads,
+                    "settings": engine.settings, "restore_tokens": restore_tokens,
+                    "kv_snapshot": str(kv_snapshot) if kv_snapshot else None}
             spec_path = work_dir / f"decode-{engine.name}-{length}.json"
             spec_path.write_text(json.dumps(spec))
-            worker = _Worker(engine, spec_path, threads)
-            prefill[engine.name] = worker.read()["prefill_s"]
-            log(f"{length} tokens: {engine.name} prefilled in {prefill[engine.name]:.1f} s")
+            worker = _Worker(engine, spec_path, engine.threads or threads)
+            start[engine.name] = worker.read()
+            log(f"{length} tokens: {engine.name} restored {restore_tokens} in {start[engine.name]['restore_s']:.1f} "
+                f"s, prefilled {length - restore_tokens} in {start[engine.name]['prefill_s']:.1f} s")
             workers.append(worker)
         times: dict[str, list[float]] = {e.name: [] for e in engines}
         for r in range(rounds):
@@ -118,29 +149,55 @@ def run_decode_compare(gguf_path: Path, ids_path: Path, lengths: list[int], roun
         rss = {w.engine.name: w.send({"cmd": "quit"})["peak_rss_bytes"] for w in workers}
         for w in workers:
             w.proc.wait(timeout=60)
-        reference = next((statistics.median(times[e.name]) for e in engines if e.family == "llama.cpp"), None)
+        # llama.cpp at its best threading: on a loaded machine its spinning barriers can make 2 threads the slower
+        reference = min((statistics.median(times[e.name]) for e in engines if e.family == "llama.cpp"), default=None)
         for engine in engines:
-            ms = statistics.median(times[engine.name])
+            ms, first = statistics.median(times[engine.name]), start[engine.name]
             rows.append(DecodeRow(
-                length, engine.name, ms, 1e3 / ms, length / prefill[engine.name], rss[engine.name] / MIB,
-                None if engine.family == "llama.cpp" or reference is None else reference / ms, times[engine.name],
-                engine.omp_wait_policy or "default"))
+                length, engine.name, ms, 1e3 / ms, (length - restore_tokens) / first["prefill_s"],
+                rss[engine.name] / MIB, None if engine.family == "llama.cpp" or reference is None else reference / ms,
+                times[engine.name], engine.omp_wait_policy or "default", engine.threads or threads, restore_tokens,
+                first["restore_s"], first["restore_peak_rss_bytes"] / MIB))
     return {"rows": [asdict(r) for r in rows], "threads": threads, "rounds": rounds, "steps_per_round": steps,
             "load_average_before": load_before, "load_average_after": os.getloadavg(), "gguf": str(gguf_path),
+            "kv_snapshot": None if kv_snapshot is None else str(kv_snapshot),
             "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
+def check_snapshot(path: Path, checkpoint: Any, ids: list[int]) -> int:
+    """The snapshot's token count, once it is checked whole against the model (its identity and KV geometry, not
+    the dtype that computed it) and the text's token ids; KVSnapshotError naming the difference otherwise."""
+    import torch
+
+    from flashmemory.engine.kv_snapshot import model_fingerprint, model_identity
+    from flashmemory.kvcache.snapshot import SnapshotReader
+
+    fingerprint = model_identity(model_fingerprint(checkpoint.path, checkpoint.config, torch.float32, "auto"))
+    with SnapshotReader(path, fingerprint, ids) as reader:
+        return reader.num_tokens
+
+
 def to_markdown(report: dict[str, Any]) -> str:
-    lines = ["| context | engine | decode ms/token | decode tok/s | vs llama.cpp | prefill tok/s | peak RSS MiB | "
-             "OMP_WAIT_POLICY |", "|---|---|---|---|---|---|---|---|"]
+    restored = bool(report.get("kv_snapshot"))
+    extra = " restored tokens | restore s | load + restore peak RSS MiB |" if restored else ""
+    lines = ["| context | engine | threads | decode ms/token | decode tok/s | vs llama.cpp | prefill tok/s | "
+             f"peak RSS MiB |{extra} OMP_WAIT_POLICY |", "|---|" * 1 + "---|" * (8 + 3 * restored)]
     for r in report["rows"]:
         ratio = "—" if r["vs_llamacpp"] is None else f"{r['vs_llamacpp']:.2f}x"
-        lines.append(f"| {r['context_tokens']} | {r['engine']} | {r['ms_per_token']:.1f} | {r['decode_tok_s']:.1f} | "
-                     f"{ratio} | {r['prefill_tok_s']:.0f} | {r['peak_rss_mib']:.0f} | {r['omp_wait_policy']} |")
+        cells = (f" {r['restored_tokens']} | {r['restore_s']:.1f} | {r['restore_peak_rss_mib']:.0f} |"
+                 if restored else "")
+        lines.append(f"| {r['context_tokens']} | {r['engine']} | {r.get('threads') or report['threads']} | "
+                     f"{r['ms_per_token']:.1f} | {r['decode_tok_s']:.2f} | {ratio} | {r['prefill_tok_s']:.0f} | "
+                     f"{r['peak_rss_mib']:.0f} |{cells} {r['omp_wait_policy']} |")
     before = ", ".join(f"{x:.1f}" for x in report["load_average_before"])
     after = ", ".join(f"{x:.1f}" for x in report["load_average_after"])
     lines.append("")
-    lines.append(f"{report['threads']} threads per engine; {report['rounds']} interleaved rounds of "
-                 f"{report['steps_per_round']} teacher-forced steps (medians of every step); load average "
+    lines.append(f"{report['threads']} threads per engine unless the row says; {report['rounds']} interleaved rounds "
+                 f"of {report['steps_per_round']} teacher-forced steps (medians of every step; vs llama.cpp: over "
+                 f"the fastest llama.cpp row); load average "
                  f"{before} before, {after} after; {Path(report['gguf']).name}.")
+    if restored:
+        lines.append(f"KV of the first 'restored tokens' from {Path(report['kv_snapshot']).name} (exact FP16); "
+                     "measured fresh: the rest of the context's prefill (prefill tok/s), every decode step, and "
+                     "peak RSS from the end of the restore on.")
     return "\n".join(lines)

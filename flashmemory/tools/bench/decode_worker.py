@@ -1,5 +1,6 @@
 """A persistent decode worker: `python -m flashmemory.tools.bench.decode_worker SPEC.json` opens one engine,
-prefills the context, then answers commands on stdin with one JSON line each on stdout:
+prefills the context (or, with a KV snapshot, restores all of it but the last prefill chunk and prefills that
+chunk), then answers commands on stdin with one JSON line each on stdout:
 
     {"cmd": "steps", "num": K}  -> {"ms": [K step times]}   K teacher-forced decode steps (the next ids)
     {"cmd": "quit"}             -> {"peak_rss_bytes": ...}  and exits
@@ -15,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flashmemory.tools.bench.rss import peak_rss_bytes
+from flashmemory.errors import KVSnapshotError
+from flashmemory.tools.bench.rss import peak_rss_bytes, reset_peak_rss
 
 REPLY_PREFIX = "DECODE-REPLY "  # marks our lines among anything a library prints to stdout
 
@@ -36,6 +38,17 @@ class LlamaCppStepper:
 
     def feed(self, ids: list[int]) -> None:
         self.llm.eval(ids)
+
+    def restore(self, snapshot: Path, context_ids: list[int], num_tokens: int) -> None:
+        """The snapshot's KV of the first num_tokens into sequence 0 (tools/bench/llamacpp_state.py)."""
+        from flashmemory.tools.bench.llamacpp_state import read_snapshot_kv, restore_into
+
+        ids = context_ids[:num_tokens]
+        snap_ids, keys, values = read_snapshot_kv(snapshot, num_tokens)
+        if snap_ids != ids:
+            raise KVSnapshotError(f"{snapshot} holds the KV of other tokens than the benchmark's; pass the --text "
+                                  "the snapshot was made from")
+        restore_into(self.llm, ids, keys, values)
 
     def close(self) -> None:
         self.llm.close()
@@ -65,6 +78,19 @@ class FlashMemoryStepper:
     def feed(self, ids: list[int]) -> None:
         self.engine._forward(self.seq_id, ids)
 
+    def restore(self, snapshot: Path, context_ids: list[int], num_tokens: int) -> None:
+        """The snapshot's KV of the context but its last prefill chunk (num_tokens), through the cache's own write
+        path, as `flashmemory eval` restores a prompt."""
+        from flashmemory.engine.kv_snapshot import engine_fingerprint, model_identity, restore_prefill
+
+        fingerprint = model_identity(engine_fingerprint(self.engine))
+        chunk = self.engine.config.prefill_chunk_tokens
+        restored, _ = restore_prefill(self.engine.cache, self.seq_id, context_ids, snapshot, fingerprint, chunk)
+        if restored != num_tokens:
+            raise KVSnapshotError(f"restored {restored} tokens, not {num_tokens}: the benchmark restores the context "
+                                  f"but its last chunk of prefill_chunk_tokens ({chunk}); keep that setting at its "
+                                  "default or pass a snapshot holding that many tokens")
+
     def close(self) -> None:
         self.engine.cache.free_sequence(self.seq_id, keep_cached=False)
         self.engine.close()
@@ -85,9 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     stepper.warm_up(ids[:16])  # kernels built, pools touched
     if isinstance(stepper, FlashMemoryStepper):
         stepper.open()
+    restored = spec.get("restore_tokens", 0)
     start = time.perf_counter()
-    stepper.feed(ids[:context])
-    _reply({"prefill_s": time.perf_counter() - start})
+    if restored:
+        stepper.restore(Path(spec["kv_snapshot"]), ids[:context], restored)
+    restore_s = time.perf_counter() - start
+    restore_peak = peak_rss_bytes()
+    peak_reset = bool(restored) and reset_peak_rss()  # the peak from here on: without the restore's buffers
+    start = time.perf_counter()
+    stepper.feed(ids[restored:context])
+    _reply({"prefill_s": time.perf_counter() - start, "restore_s": restore_s, "restored_tokens": restored,
+            "restore_peak_rss_bytes": restore_peak, "peak_rss_reset": peak_reset})
     pos = context
     for line in sys.stdin:
         command = json.loads(line)

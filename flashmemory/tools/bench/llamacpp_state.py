@@ -1,0 +1,214 @@
+"""A FlashMemory KV snapshot restored into llama.cpp: our per-layer post-RoPE FP16 keys and values written as the
+sequence state `llama_state_seq_set_data` reads back (llama.cpp as bundled by llama-cpp-python 0.3.36), so a
+long prompt prefilled once by our exact cache is decoded from by llama.cpp without its own prefill.
+
+The state of one sequence, as that llama.cpp writes it (src/llama-context.cpp state_seq_get_data, then
+src/llama-kv-cache.cpp state_write / state_write_meta / state_write_data), little endian:
+
+    u32 magic 0xaf143cd8 | i32 seq_id | u32 n_stream | per stream: u32 cell_count, then (when cell_count > 0)
+    per cell: i32 pos, u32 n_seq_id, i32 seq_id (no per-cell extension for qwen2 / llama: that is M-RoPE's) |
+    u32 v_trans | u32 n_layer |
+    per layer: i32 k_type, u64 k_row_bytes, cell_count rows of [num_kv_heads * head_dim] |
+    per layer, v_trans = 0 (flash attention): i32 v_type, u64 v_row_bytes, cell_count rows as for K |
+    per layer, v_trans = 1 (no flash attention): i32 v_type, u32 v_element_bytes, u32 n_embd_v_gqa, then for each
+        of the n_embd_v_gqa channels its value in every cell.
+
+Keys carry over as they are for qwen2 (NEOX RoPE, our rotate-half layout); for llama llama.cpp's converter
+permuted the q/k rows to interleaved pairs, so each key head is permuted the same way here. This module needs
+numpy only: the llama.cpp bench worker never imports torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flashmemory.errors import KVSnapshotError
+
+STATE_MAGIC = 0xAF143CD8  # io_magic in llama-context.cpp
+GGML_TYPE_F16 = 1
+SNAPSHOT_MAGIC = b"FMKVSNP1"  # kvcache/snapshot.py's MAGIC (read here without torch)
+# Architectures whose cached keys we can write: True where llama.cpp's converter permuted q/k to interleaved pairs.
+ROPE_INTERLEAVED = {"qwen2": False, "llama": True}
+
+
+@dataclass
+class SequenceState:
+    """One sequence's KV as llama.cpp's state holds it: cell positions and per-layer keys and values."""
+
+    positions: np.ndarray  # [num_cells] int32
+    keys: np.ndarray  # [num_layers, num_cells, num_kv_heads * head_dim] float16 (llama.cpp's K rows)
+    values: np.ndarray  # same shape, one row per cell whatever v_trans
+    v_trans: bool  # how llama.cpp stores V: transposed (no flash attention) or in rows
+    seq_id: int = 0
+
+
+def to_llama_rows(kv: np.ndarray, rope_interleaved: bool) -> np.ndarray:
+    """Our [num_layers, num_kv_heads, num_tokens, head_dim] as llama.cpp's [num_layers, num_tokens, heads * dim]."""
+    num_layers, heads, num_tokens, head_dim = kv.shape
+    rows = kv.transpose(0, 2, 1, 3)  # [num_layers, num_tokens, num_kv_heads, head_dim]
+    if rope_interleaved:  # rotate-half (x_i, x_{i+d/2}) pairs -> interleaved (x_2i, x_2i+1) pairs
+        rows = rows.reshape(num_layers, num_tokens, heads, 2, head_dim // 2).swapaxes(-1, -2)
+    return np.ascontiguousarray(rows, dtype=np.float16).reshape(num_layers, num_tokens, heads * head_dim)
+
+
+def encode_state(state: SequenceState) -> np.ndarray:
+    """The bytes llama_state_seq_set_data reads (one stream), as a uint8 array written in place (no copies)."""
+    num_layers, num_cells, width = state.keys.shape
+    if state.values.shape != state.keys.shape or state.positions.shape != (num_cells,):
+        raise KVSnapshotError(f"keys {state.keys.shape}, values {state.values.shape} and {state.positions.shape[0]} "
+                              "positions disagree; pass [num_layers, num_cells, width] KV and one position per cell")
+    row_bytes = width * 2
+    layer_bytes = num_cells * row_bytes
+    v_head = 4 + 4 + 4 if state.v_trans else 4 + 8
+    size = 4 + 4 + 4 + 4 + num_cells * 12 + 8 + num_layers * (4 + 8 + layer_bytes + v_head + layer_bytes)
+    out = np.empty(size, dtype=np.uint8)
+    at = 0
+
+    def put(fmt: str, *values: int) -> None:
+        nonlocal at
+        struct.pack_into("<" + fmt, out, at, *values)
+        at += struct.calcsize("<" + fmt)
+
+    def put_array(array: np.ndarray) -> None:
+        nonlocal at
+        flat = array.reshape(-1).view(np.uint8)
+        out[at:at + flat.size] = flat
+        at += flat.size
+
+    put("Ii", STATE_MAGIC, state.seq_id)
+    put("II", 1, num_cells)  # one stream
+    meta = np.empty((num_cells, 3), dtype=np.int32)  # pos, n_seq_id = 1, seq_id
+    meta[:, 0], meta[:, 1], meta[:, 2] = state.positions, 1, state.seq_id
+    put_array(meta)
+    put("II", int(state.v_trans), num_layers)
+    for layer in range(num_layers):
+        put("iQ", GGML_TYPE_F16, row_bytes)
+        put_array(np.ascontiguousarray(state.keys[layer], dtype=np.float16))
+    for layer in range(num_layers):
+        if state.v_trans:
+            put("iII", GGML_TYPE_F16, 2, width)
+            put_array(np.ascontiguousarray(state.values[layer].T, dtype=np.float16))  # [width, num_cells]
+        else:
+            put("iQ", GGML_TYPE_F16, row_bytes)
+            put_array(np.ascontiguousarray(state.values[layer], dtype=np.float16))
+    assert at == size, "the state's size was computed from the same fields it writes"
+    return out
+
+
+def decode_state(data: bytes | np.ndarray) -> SequenceState:
+    """A one-stream, f16 sequence state as llama_state_seq_get_data writes it (the inverse of encode_state)."""
+    buf = np.frombuffer(data, dtype=np.uint8)
+    magic, seq_id, num_streams, num_cells = struct.unpack_from("<IiII", buf, 0)
+    if magic != STATE_MAGIC or num_streams != 1:
+        raise KVSnapshotError(f"not a one-stream llama.cpp sequence state (magic {magic:#x}, {num_streams} "
+                              "streams); this reader follows llama-cpp-python 0.3.36's llama.cpp")
+    at = 16
+    meta = buf[at:at + num_cells * 12].view(np.int32).reshape(num_cells, 3)
+    if num_cells and not (meta[:, 1] == 1).all():
+        raise KVSnapshotError("cells shared by several sequences, or a per-cell extension (M-RoPE): not supported")
+    at += num_cells * 12
+    v_trans, num_layers = struct.unpack_from("<II", buf, at)
+    at += 8
+    keys, values = [], []
+    for _ in range(num_layers):
+        k_type, row_bytes = struct.unpack_from("<iQ", buf, at)
+        _check_f16(k_type, "K")
+        at += 12
+        keys.append(buf[at:at + num_cells * row_bytes].view(np.float16).reshape(num_cells, row_bytes // 2))
+        at += num_cells * row_bytes
+    for _ in range(num_layers):
+        if v_trans:
+            v_type, _, width = struct.unpack_from("<iII", buf, at)
+            at += 12
+            values.append(buf[at:at + num_cells * width * 2].view(np.float16).reshape(width, num_cells).T)
+            at += num_cells * width * 2
+        else:
+            v_type, row_bytes = struct.unpack_from("<iQ", buf, at)
+            at += 12
+            values.append(buf[at:at + num_cells * row_bytes].view(np.float16).reshape(num_cells, row_bytes // 2))
+            at += num_cells * row_bytes
+        _check_f16(v_type, "V")
+    return SequenceState(meta[:, 0].copy(), np.stack(keys), np.stack(values), bool(v_trans), seq_id)
+
+
+def _check_f16(ggml_type: int, which: str) -> None:
+    if ggml_type != GGML_TYPE_F16:
+        raise KVSnapshotError(f"llama.cpp's {which} cache is ggml type {ggml_type}, not f16: a snapshot restores "
+                              "into an f16 KV cache only (open the model with type_k = type_v = f16)")
+
+
+def read_snapshot_kv(path: Path, num_tokens: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """Token ids and keys, values [num_layers, num_kv_heads, num_tokens, head_dim] (float16) of a snapshot's first
+    num_tokens, without torch. The caller has checked the file whole (kvcache/snapshot.py SnapshotReader)."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+        if head[:8] != SNAPSHOT_MAGIC:
+            raise KVSnapshotError(f"{path} is not a FlashMemory KV snapshot; pass the file `flashmemory eval "
+                                  "--kv-snapshot` wrote")
+        header = json.loads(f.read(struct.unpack("<Q", head[8:])[0]))
+        if header["dtype"] != "float16":
+            raise KVSnapshotError(f"{path} holds {header['dtype']} KV; llama.cpp restores an f16 cache from an "
+                                  "FP16 snapshot only (written by the exact FP16 cache)")
+        num_layers, heads, total, head_dim = header["shape"]
+        if not 0 < num_tokens <= total:
+            raise KVSnapshotError(f"{path} holds {total} tokens, {num_tokens} were asked for; ask for at most {total}")
+        ids = np.frombuffer(f.read(total * 8), dtype=np.int64)[:num_tokens].tolist()
+        payload = np.fromfile(f, dtype=np.float16, count=2 * num_layers * heads * total * head_dim)
+    kv = payload.reshape(2, num_layers, heads, total, head_dim)[:, :, :, :num_tokens]
+    return ids, kv[0], kv[1]
+
+
+def probe_v_trans(llm: Any, token_id: int) -> bool:
+    """Whether this context stores V transposed, read from llama.cpp's own state of one evaluated token (then
+    dropped): the layout follows its flash-attention setting, which an 'auto' setting decides at run time."""
+    llm.reset()
+    llm.eval([token_id])
+    own = decode_state(sequence_bytes(llm))
+    llm.reset()
+    return own.v_trans
+
+
+def sequence_bytes(llm: Any, seq_id: int = 0) -> bytes:
+    """llama.cpp's own state of one sequence (llama_state_seq_get_data)."""
+    import llama_cpp
+
+    size = llama_cpp.llama_state_seq_get_size(llm.ctx, seq_id)
+    buf = (ctypes.c_uint8 * size)()
+    written = llama_cpp.llama_state_seq_get_data(llm.ctx, buf, size, seq_id)
+    if written != size:
+        raise KVSnapshotError(f"llama.cpp wrote {written} of {size} state bytes; see its log (verbose=True)")
+    return bytes(buf)
+
+
+def restore_into(llm: Any, token_ids: list[int], keys: np.ndarray, values: np.ndarray) -> None:
+    """Put our KV ([num_layers, num_kv_heads, num_tokens, head_dim], post-RoPE) of token_ids into llama.cpp's
+    sequence 0 at positions 0..n-1, and tell llama-cpp-python those tokens are evaluated: the next llm.eval()
+    decodes at position n. Raises KVSnapshotError when the model or the cache does not fit the snapshot."""
+    import llama_cpp
+
+    arch = llm.metadata.get("general.architecture", "")
+    if arch not in ROPE_INTERLEAVED:
+        raise KVSnapshotError(f"restoring KV into llama.cpp is written for {sorted(ROPE_INTERLEAVED)}, not {arch!r}; "
+                              "decode from a real prefill instead (no --kv-snapshot)")
+    num_tokens = keys.shape[2]
+    if num_tokens != len(token_ids) or num_tokens >= llm.n_ctx():
+        raise KVSnapshotError(f"{num_tokens} cells of KV for {len(token_ids)} tokens in a context of {llm.n_ctx()}; "
+                              "open llama.cpp with n_ctx above the restored tokens plus the decode steps")
+    state = SequenceState(np.arange(num_tokens, dtype=np.int32), to_llama_rows(keys, ROPE_INTERLEAVED[arch]),
+                          to_llama_rows(values, False), probe_v_trans(llm, token_ids[0]))
+    data = encode_state(state)
+    del state
+    read = llama_cpp.llama_state_seq_set_data(llm.ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                              data.size, 0)
+    if read != data.size:
+        raise KVSnapshotError(f"llama.cpp read {read} of {data.size} state bytes (a layer count, row size or cache "
+                              "size it refused; see its log with verbose=True): the snapshot's model differs")
+    llm.input_ids[:num_tokens] = token_ids
+    llm.n_tokens = num_tokens
