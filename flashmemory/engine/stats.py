@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import resource
-import sys
 from dataclasses import dataclass
 
 import torch
+
+from flashmemory.rss import peak_rss_bytes
 
 
 @dataclass
@@ -46,5 +46,4 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     """(bytes, kind): the process's peak RSS on CPU, peak allocated device memory on CUDA."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "GPU"
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return (rss if sys.platform == "darwin" else rss * 1024), "RSS"
+    return peak_rss_bytes(), "RSS"

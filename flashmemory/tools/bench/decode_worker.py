@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from flashmemory.errors import KVSnapshotError
-from flashmemory.tools.bench.rss import peak_rss_bytes, reset_peak_rss
+from flashmemory.rss import peak_rss_bytes, reset_peak_rss
 
 REPLY_PREFIX = "DECODE-REPLY "  # marks our lines among anything a library prints to stdout
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from flashmemory.tools.bench.jobs import FidelityJob, FidelityResult, SpeedJob, SpeedResult, read_token_ids
 from flashmemory.tools.bench.kv_bytes import llama_cpp_kv_bytes
-from flashmemory.tools.bench.rss import peak_rss_bytes
+from flashmemory.rss import peak_rss_bytes
 
 REFERENCE = "llamacpp-f16"  # llama.cpp's rows are compared with its own f16 cache (its kernels, its weights)
 WARMUP_PROMPT_TOKENS = 16

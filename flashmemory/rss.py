@@ -1,4 +1,5 @@
-"""Peak resident set of this process, without torch (the llama.cpp workers must not load it to measure it)."""
+"""Peak resident set of this process, without torch (the llama.cpp bench workers import it and must not load torch;
+the engine reports it as its peak RSS)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from flashmemory.tools.bench.rss import peak_rss_bytes, reset_peak_rss
+from flashmemory.rss import peak_rss_bytes, reset_peak_rss
 
 MIB = 2**20
 
@@ -17,7 +17,7 @@ MIB = 2**20
 def test_a_small_child_of_a_big_parent_reports_its_own_peak():
     """getrusage's ru_maxrss of a vfork + exec child starts at the parent's peak; VmHWM does not."""
     ballast = np.ones(400 * MIB // 8)  # the parent's peak: 400 MiB more
-    code = "from flashmemory.tools.bench.rss import peak_rss_bytes; print(peak_rss_bytes())"
+    code = "from flashmemory.rss import peak_rss_bytes; print(peak_rss_bytes())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(out.stdout) < 200 * MIB < ballast.nbytes
 
