@@ -69,6 +69,31 @@ static inline fm_v8 load8codes(const uint8_t *p, int shift, int mask) {
 
 static inline float hsum8(fm_v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
+/* The horizontal sums of 8 vectors as one vector (r[i] = sum of v[i]): three rounds of pairwise adds. */
+static inline fm_v8 hsum8x8(const fm_v8 *v) {
+    const fm_v8i even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = {1, 3, 9, 11, 5, 7, 13, 15};
+    const fm_v8i low = {0, 1, 2, 3, 8, 9, 10, 11}, high = {4, 5, 6, 7, 12, 13, 14, 15};
+    fm_v8 t[4], u[2];
+    for (int i = 0; i < 4; i++) t[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], even) +
+                                       __builtin_shuffle(v[2 * i], v[2 * i + 1], odd);
+    for (int i = 0; i < 2; i++) u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], even) +
+                                       __builtin_shuffle(t[2 * i], t[2 * i + 1], odd);
+    return __builtin_shuffle(u[0], u[1], low) + __builtin_shuffle(u[0], u[1], high);
+}
+
+/* Scores p[g][t] = the horizontal sum of dots[g][t] (the partial dot products of one key row) for t < T, 8 rows
+ * at a time; rows from T up to the next multiple of 8 are left for softmax_tile to fill. */
+static inline __attribute__((always_inline)) void sum_dots(fm_v8 dots[][FM_MAX_TOKENS], int64_t G, int64_t T,
+                                                            float p[][FM_MAX_TOKENS]) {
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t t = T; t & 7; t++) dots[g][t] = (fm_v8){0};
+        for (int64_t t = 0; t < T; t += 8) {
+            const fm_v8 r = hsum8x8(&dots[g][t]);
+            memcpy(&p[g][t], &r, sizeof r);
+        }
+    }
+}
+
 /* exp(x) for x <= 0 (scores minus their running max), 8 at a time: x = n ln2 + f with |f| <= ln2 / 2 and
  * e^f by its degree-6 Taylor polynomial (relative error below 5e-7 against exp over [-87, 0]; expf's is 6e-8);
  * exactly 0 below -87, where 2^n would leave the normal range (expf is below 2e-38 there). */
@@ -121,6 +146,7 @@ static inline __attribute__((always_inline)) void attend_tile_g(const float *q, 
 #define FM_ROW8(base, t, c) (half ? load8h((const fm_half *)(base) + (t) * stride + (c)) \
                                   : load8((const float *)(base) + (t) * stride + (c)))
     float p[FM_MAX_GROUP][FM_MAX_TOKENS];
+    fm_v8 dots[FM_MAX_GROUP][FM_MAX_TOKENS];
     for (int64_t t = 0; t < T; t += 2) {
         const int64_t t1 = t + 1 < T ? t + 1 : t;
         fm_v8 a0[FM_MAX_GROUP], a1[FM_MAX_GROUP];
@@ -134,10 +160,11 @@ static inline __attribute__((always_inline)) void attend_tile_g(const float *q, 
             }
         }
         for (int64_t g = 0; g < G; g++) {
-            p[g][t] = hsum8(a0[g]);
-            p[g][t1] = t1 > t ? hsum8(a1[g]) : p[g][t];
+            dots[g][t] = a0[g];
+            dots[g][t1] = a1[g]; /* the same as a0 when t1 == t */
         }
     }
+    sum_dots(dots, G, T, p);
     float w[FM_MAX_GROUP];
     softmax_tile(p, G, D, T, state, w);
     /* Output: per 8 channels, every query head's accumulator stays in a register across the tile's rows. */
@@ -210,6 +237,7 @@ static inline __attribute__((always_inline)) void attend_quant_g(const float *q,
     const int64_t W = D * bits / 8, groups = D / vgroup;
     const int mask = (1 << bits) - 1;
     float p[FM_MAX_GROUP][FM_MAX_TOKENS], qs[FM_MAX_GROUP * FM_MAX_DIM];
+    fm_v8 dots[FM_MAX_GROUP][FM_MAX_TOKENS];
     for (int64_t t0 = 0; t0 < T; t0 += kgroup) {
         const fm_half *s = ks + (t0 / kgroup) * D, *z = kz + (t0 / kgroup) * D;
         fm_v8 bias8[FM_MAX_GROUP];
@@ -223,13 +251,13 @@ static inline __attribute__((always_inline)) void attend_quant_g(const float *q,
                 bias8[g] += qg * z8;
             }
         }
-        float bias[FM_MAX_GROUP];
-        for (int64_t g = 0; g < G; g++) bias[g] = hsum8(bias8[g]);
+        fm_v8 bias[FM_MAX_GROUP]; /* q.z in lane 0: the row sums include it */
+        for (int64_t g = 0; g < G; g++) bias[g] = (fm_v8){hsum8(bias8[g])};
         for (int64_t t = t0; t < t0 + kgroup; t += 2) {
             const int64_t t1 = t + 1 < t0 + kgroup ? t + 1 : t;
             const uint8_t *r0 = codes + t * W, *r1 = codes + t1 * W;
             fm_v8 a0[FM_MAX_GROUP], a1[FM_MAX_GROUP];
-            for (int64_t g = 0; g < G; g++) a0[g] = a1[g] = (fm_v8){0};
+            for (int64_t g = 0; g < G; g++) a0[g] = a1[g] = bias[g];
             for (int64_t j = 0; j < W; j += 8) {
                 const fm_v8i b0 = load8bytes(r0 + j), b1 = load8bytes(r1 + j); /* every plane's codes */
                 for (int plane = 0; plane < 8 / bits; plane++) {
@@ -243,11 +271,12 @@ static inline __attribute__((always_inline)) void attend_quant_g(const float *q,
                 }
             }
             for (int64_t g = 0; g < G; g++) {
-                p[g][t] = hsum8(a0[g]) + bias[g];
-                p[g][t1] = t1 > t ? hsum8(a1[g]) + bias[g] : p[g][t];
+                dots[g][t] = a0[g];
+                dots[g][t1] = a1[g];
             }
         }
     }
+    sum_dots(dots, G, T, p);
     float alpha[FM_MAX_GROUP];
     softmax_tile(p, G, D, T, state, alpha);
     /* Value scales and zero points [T][groups] fp16 -> float, transposed to [groups][T] */
