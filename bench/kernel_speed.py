@@ -1,15 +1,24 @@
-"""The native kernels alone, median of 200 calls: the decode GEMV over block-format weights (SmolLM2's Q4_1
-gate_up and down, its Q8_0 LM head, a Q5_0 matrix) at 1 and 2 threads, and decode attention over 2K tokens of
-INT4 / FP16 block records (3 KV heads of 64, 3 query heads each: SmolLM2's geometry) per layer.
+"""The native kernels alone: the decode GEMV over block-format weights (SmolLM2's Q4_1 gate_up and down, its Q8_0
+LM head, a Q5_0 matrix) at 1 and 2 threads, median of 200 calls; and decode attention over an 8K-shaped read at
+SmolLM2's geometry (3 KV heads of 64, 3 query heads each, 16-token blocks): per layer 128 INT4 blocks (the 2,048-token
+window), 120 FP16 and 30 INT2 blocks per KV head plus 8 filling fp16 rows, for all 30 layers of a step (so the
+records come from memory, not a warm cache), min and median over many steps at 1 and 2 threads.
 
-    PYTHONPATH=. .venv/bin/python bench/kernel_speed.py
+With --baseline CHECKOUT, that checkout's decode_attention.c is built into its own library and timed in the same
+run, its steps interleaved with this tree's (the machine's load hits both alike):
+
+    PYTHONPATH=. .venv/bin/python bench/kernel_speed.py --attention-only --baseline ../main
 """
 
 from __future__ import annotations
 
+import argparse
+import ctypes
 import os
 import statistics
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -18,11 +27,17 @@ import torch
 from flashmemory.kvcache import native
 from flashmemory.kvcache.levels.tensor_pool import TensorPool
 from flashmemory.kvcache.manager.blocks import Level
+from flashmemory.kvcache.native.loader import FLAGS, declare_decode_attention
 from flashmemory.kvcache.quant import Codec
 from flashmemory.model.native.quant_kernels import library, qgemv
+from flashmemory.native_build import build_library
+
+LAYERS, HEADS, GROUP, BLOCK, DIM = 30, 3, 3, 16, 64
+READ_BLOCKS = {4: 128, 16: 120, 2: 30}  # bits -> blocks read per layer and KV head at 8K context
+FILLING_ROWS = 8
 
 
-def median_s(fn, n: int = 200) -> float:
+def median_s(fn: Callable[[], None], n: int = 200) -> float:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -31,10 +46,8 @@ def median_s(fn, n: int = 200) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def gemv(rng: np.random.Generator) -> None:
     lib = library()
-    rng = np.random.default_rng(0)
-    print(f"load average {os.getloadavg()}")
     for type_name, rows, cols in [("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576), ("Q5_0", 4864, 896)]:
         raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
                                    gguf.GGMLQuantizationType[type_name])
@@ -45,25 +58,84 @@ def main() -> None:
             s = median_s(lambda: qgemv(lib, type_name, blocks, cols, x, y))
             print(f"GEMV {type_name} {rows} x {cols}, {threads} thread(s): {s * 1e6:.0f} us, "
                   f"{blocks.numel() / s / 1e9:.1f} GB/s of blocks")
-    heads, group, block, dim, num_blocks = 3, 3, 16, 64, 128
-    for bits in (4, 16):
-        codec = Codec(bits, block, 32)
-        pool = TensorPool(Level.DEVICE, codec, num_blocks, 1, heads, block, dim, torch.device("cpu"))
-        for slot in range(num_blocks):
-            pool.put(slot, codec.encode(torch.randn(1, heads, block, dim), torch.randn(1, heads, block, dim)))
-        slots = torch.arange(num_blocks).expand(heads, -1).contiguous()
-        q, fmt = torch.randn(heads * group, dim), native.RecordFormat.for_pool(pool)
 
-        def attend() -> None:
-            state = native.DecodeState(native.library(), q, heads)
-            state.add_records(pool.storage[0], slots, fmt)
-            state.output()
 
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            s = median_s(attend, 50)
-            print(f"attention over {num_blocks * block} tokens of {bits}-bit records, {threads} thread(s): "
-                  f"{s * 1e3:.2f} ms per layer, {s / (num_blocks * block * heads * dim * 2) * 1e9:.2f} ns per value")
+class StepRead:
+    """The records one decode step reads: a pool per format holding every layer's blocks, and each pool's slots."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.reads: list[tuple[TensorPool, torch.Tensor, native.RecordFormat]] = []
+        for bits, n in READ_BLOCKS.items():
+            codec = Codec(bits, BLOCK, 32)
+            pool = TensorPool(Level.DEVICE, codec, n, LAYERS, HEADS, BLOCK, DIM, torch.device("cpu"))
+            for slot in range(n):
+                k = torch.randn(LAYERS, HEADS, BLOCK, DIM) * 2 + 0.5
+                pool.put(slot, codec.encode(k, torch.randn(LAYERS, HEADS, BLOCK, DIM)))
+            # the INT4 window: one row of slots for every head; the others: each head its own order
+            slots = (torch.arange(n).expand(HEADS, -1) if bits == 4
+                     else torch.stack([torch.randperm(n) for _ in range(HEADS)]))
+            self.reads.append((pool, slots, native.RecordFormat.for_pool(pool)))
+        self.filling = torch.randn(2, LAYERS, HEADS, FILLING_ROWS, DIM).half()
+        self.q = torch.randn(HEADS * GROUP, DIM)
+
+    def step(self, lib: ctypes.CDLL, state: native.DecodeState) -> torch.Tensor:
+        """Every layer's attention with library `lib` (state: a DecodeState of that library); the last output."""
+        for layer in range(LAYERS):
+            state.reset(self.q)
+            state.add_dense(self.filling[0, layer], self.filling[1, layer])
+            for pool, slots, fmt in self.reads:
+                state.add_records(pool.storage, slots, fmt, layer=layer)
+        return state.output()
+
+
+def baseline_library(checkout: Path) -> ctypes.CDLL:
+    source = checkout / "flashmemory/kvcache/native/csrc/decode_attention.c"
+    lib = build_library("flashmemory_decode_baseline", [source], FLAGS, f"the baseline at {checkout}")
+    if lib is None:
+        raise SystemExit(f"could not build {source}")
+    return declare_decode_attention(lib)
+
+
+def attention(baseline: Path | None, steps: int) -> None:
+    read = StepRead()
+    libs = {"new": native.library()}
+    if baseline is not None:
+        libs = {"old": baseline_library(baseline), **libs}
+    states = {name: native.DecodeState(lib, read.q, HEADS) for name, lib in libs.items()}
+    outputs = {name: read.step(lib, states[name]) for name, lib in libs.items()}
+    if "old" in outputs:
+        diff = ((outputs["new"] - outputs["old"]).abs().max() / outputs["old"].abs().max()).item()
+        print(f"max |new - old| / max |old| over the last layer's output: {diff:.1e}")
+    blocks = " + ".join(f"{n} {'FP16' if b == 16 else f'INT{b}'}" for b, n in READ_BLOCKS.items())
+    print(f"decode attention, {LAYERS} layers x {HEADS} KV heads x ({blocks} blocks of {BLOCK} + {FILLING_ROWS} rows)"
+          f", {GROUP} query heads each; {steps} steps per library and thread count, interleaved")
+    print("| kernel | threads | ms per step min | median | ms per layer min | median |")
+    print("|---|---|---|---|---|---|")
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        times: dict[str, list[float]] = {name: [] for name in libs}
+        for _ in range(steps):
+            for name, lib in libs.items():
+                t0 = time.perf_counter()
+                read.step(lib, states[name])
+                times[name].append(time.perf_counter() - t0)
+        for name, ts in times.items():
+            lo, mid = min(ts) * 1e3, statistics.median(ts) * 1e3
+            print(f"| {name} | {threads} | {lo:.1f} | {mid:.1f} | {lo / LAYERS:.3f} | {mid / LAYERS:.3f} |")
+    print(f"load average {os.getloadavg()}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--baseline", type=Path, default=None, help="a checkout whose decode attention to compare with")
+    p.add_argument("--attention-only", action="store_true", help="skip the GEMV timings")
+    p.add_argument("--steps", type=int, default=40, help="timed 30-layer steps per library and thread count")
+    args = p.parse_args()
+    print(f"load average {os.getloadavg()}")
+    if not args.attention_only:
+        gemv(np.random.default_rng(0))
+    attention(args.baseline, args.steps)
 
 
 if __name__ == "__main__":

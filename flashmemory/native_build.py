@@ -46,7 +46,7 @@ def _compile(compiler: str, flags: Sequence[str], sources: Sequence[Path], targe
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         subprocess.run([compiler, *flags, "-o", str(built), *map(str, sources), "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=600)  # minutes on a loaded machine
         os.replace(built, target)  # atomic: concurrent processes never load a half-written library
 
 

@@ -29,17 +29,7 @@ def library() -> ctypes.CDLL | None:
     lib = build_library("flashmemory_native", SOURCES, FLAGS, "decode attention and the heat predictor")
     if lib is None:
         return None
-    lib.fm_attend_records.restype = ctypes.c_int
-    lib.fm_attend_records.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, ctypes.c_int,
-                                      _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int]
-    lib.fm_attend_dense.restype = ctypes.c_int
-    lib.fm_attend_dense.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR]
-    lib.fm_attend_dense_f16.restype = ctypes.c_int
-    lib.fm_attend_dense_f16.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR]
-    lib.fm_decode_begin.restype = None
-    lib.fm_decode_begin.argtypes = [_PTR, ctypes.c_float, _I64, _I64, _PTR, _PTR]
-    lib.fm_decode_end.restype = None
-    lib.fm_decode_end.argtypes = [_PTR, _I64, _I64, _PTR]
+    declare_decode_attention(lib)
     lib.fm_quest_select.restype = ctypes.c_int
     lib.fm_quest_select.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR,
                                     _PTR]
@@ -53,4 +43,21 @@ def library() -> ctypes.CDLL | None:
                                  _I64, f32, _PTR]
     lib.fm_quant_range.restype = ctypes.c_int
     lib.fm_quant_range.argtypes = [_PTR, _I64, _I64, _I64, ctypes.c_int, _PTR, ctypes.c_int, _PTR, _PTR]
+    return lib
+
+
+def declare_decode_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Give decode_attention.c's entry points their ctypes signatures (also used by bench/kernel_speed.py on a
+    library built from another checkout's decode_attention.c, for an old-versus-new comparison)."""
+    lib.fm_attend_records.restype = ctypes.c_int
+    lib.fm_attend_records.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, ctypes.c_int,
+                                      _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int]
+    lib.fm_attend_dense.restype = ctypes.c_int
+    lib.fm_attend_dense.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR]
+    lib.fm_attend_dense_f16.restype = ctypes.c_int
+    lib.fm_attend_dense_f16.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR]
+    lib.fm_decode_begin.restype = None
+    lib.fm_decode_begin.argtypes = [_PTR, ctypes.c_float, _I64, _I64, _PTR, _PTR]
+    lib.fm_decode_end.restype = None
+    lib.fm_decode_end.argtypes = [_PTR, _I64, _I64, _PTR]
     return lib

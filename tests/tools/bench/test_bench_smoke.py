@@ -59,7 +59,8 @@ def test_quick_bench_measures_each_engine_or_says_why_not(tiny_llama, tmp_path, 
     assert fidelity["fm-exact"]["mean_kl"] == 0 and fidelity["fm-exact"]["top1_agreement"] == 1
     # Same weights, float32 K/V: transformers agrees with the exact FP16 cache up to FP16 rounding of K/V.
     assert fidelity["hf-dynamic"]["error"] is None and abs(fidelity["hf-dynamic"]["mean_kl"]) < 1e-3
-    assert fidelity["fm-mixed"]["error"] is None and fidelity["fm-mixed"]["mean_kl"] >= 0
+    # KL >= 0 up to the float32 rounding of the log-softmax rows (here it is ~0 and can come out at -5e-8)
+    assert fidelity["fm-mixed"]["error"] is None and fidelity["fm-mixed"]["mean_kl"] >= -1e-6
     assert all(f["context_tokens"] == PROMPT and f["teacher_forced_tokens"] == 16 for f in fidelity.values())
 
     capacity = {c["engine"]: c for c in report["capacity"]}
