@@ -61,14 +61,14 @@ class EngineConfig:
                                unit="tokens", ge=0)
     semantic_truncate_threshold: float = setting(
         0.15, "fraction of L2 blocks a decode step attends (query-aware)", unit="fraction", gt=0, le=1)
-    warm_budget_tokens: int = setting(2048, "tokens of L1 blocks a decode step attends (query-aware)",
+    warm_budget_tokens: int = setting(1408, "tokens of L1 blocks a decode step attends (query-aware)",
                                       unit="tokens", ge=1)
     selection_min_tokens: int = setting(
         256, "fewest tokens a decode step reads from each of L1 and L2 when it selects (a floor under "
         "warm_budget_tokens and semantic_truncate_threshold; short histories otherwise read a few blocks)",
         unit="tokens", ge=0)
     selection_box_tokens: int = setting(
-        0, "keys per min/max box of a block's selection digest: a block scores as its best box (a tighter bound "
+        4, "keys per min/max box of a block's selection digest: a block scores as its best box (a tighter bound "
         "than one box over the block; digest memory grows with the boxes); 0 = one box per block; must divide "
         "block_size", unit="tokens", ge=0)
     selection_prompt_tokens: int = setting(

@@ -8,6 +8,7 @@ import torch
 
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.read.plan import LevelPlan
+from flashmemory.kvcache.read.selection import DIGEST_DTYPE
 
 
 @dataclass
@@ -19,7 +20,7 @@ class SequenceKV:
     num_filling: int = 0  # tokens in the row: the sink blocks', the recent full blocks' and the filling block's
     num_recent: int = 0  # of those, tokens of the newest full blocks (written to the levels; attended from the row)
     num_sink: int = 0  # of those, tokens of the attention-sink blocks (likewise)
-    digest: torch.Tensor | None = None  # [num_layers, num_kv_heads, capacity_blocks, 2 * head_dim] (key_digest)
+    digest: torch.Tensor | None = None  # [num_layers, num_kv_heads, capacity_blocks, boxes * 2 * head_dim] (key_digest)
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer, this forward
     plan: dict[Level, LevelPlan] | None = None  # built at layer 0 of a forward, dropped at commit
     pinned_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token ranges kept in L0
@@ -36,11 +37,12 @@ class SequenceKV:
         return self.num_filling - self.num_sink - self.num_recent
 
     def record_digest(self, index: int, digest: torch.Tensor) -> None:
-        """Keep block `index`'s digest [num_layers, num_kv_heads, 2 * head_dim], growing the store by doubling."""
+        """Keep block `index`'s digest [num_layers, num_kv_heads, width] (in DIGEST_DTYPE), growing the store by
+        doubling."""
         if self.digest is None or self.digest.shape[2] <= index:
             capacity = max(64, 2 * (index + 1))
             num_layers, heads, width = digest.shape
-            grown = torch.empty((num_layers, heads, capacity, width), dtype=torch.float32, device=digest.device)
+            grown = torch.empty((num_layers, heads, capacity, width), dtype=DIGEST_DTYPE, device=digest.device)
             if self.digest is not None:
                 grown[:, :, : self.digest.shape[2]] = self.digest
             self.digest = grown

@@ -19,6 +19,7 @@ MAX_GROUP = 32  # FM_MAX_GROUP: query heads per KV head
 MLP_MAX_HIDDEN = 64  # FM_MLP_MAX_HIDDEN in heat_mlp.c (hidden sizes must be multiples of 8)
 MLP_MAX_FEATURES = 64  # FM_MLP_MAX_FEATURES
 MAX_RANGE_FACTORS = 16  # FM_RANGE_MAX_FACTORS in quant_range.c
+MAX_DIGEST_BOXES = 16  # FM_SELECT_MAX_BOXES in quest_select.c
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -31,8 +32,8 @@ def library() -> ctypes.CDLL | None:
         return None
     declare_decode_attention(lib)
     lib.fm_quest_select.restype = ctypes.c_int
-    lib.fm_quest_select.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR,
-                                    _PTR]
+    lib.fm_quest_select.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int, _I64, _I64, _I64, _I64, _PTR, _PTR,
+                                    _I64, _I64, _PTR, _PTR]
     lib.fm_access_update.restype = ctypes.c_int
     lib.fm_access_update.argtypes = [_I64] * 6 + [_PTR, _I64] + [_PTR] * 9
     lib.fm_access_features.restype = ctypes.c_int

@@ -8,7 +8,7 @@ import ctypes
 
 import torch
 
-from flashmemory.kvcache.native.loader import MAX_GROUP, MAX_HEAD_DIM, library
+from flashmemory.kvcache.native.loader import MAX_DIGEST_BOXES, MAX_GROUP, MAX_HEAD_DIM, library
 
 
 class NativeSelection:
@@ -21,16 +21,17 @@ class NativeSelection:
                hints: torch.Tensor | None = None, scores: torch.Tensor | None = None) -> torch.Tensor | None:
         """Indices [num_kv_heads, budget] (ascending) of the chosen blocks, or None (use the torch path).
 
-        q: [num_heads, head_dim] (one decode token); digest: [num_kv_heads, n, boxes * 2 * head_dim] float32 on
-        the CPU (read/selection.py's key_digest);
+        q: [num_heads, head_dim] (one decode token); digest: [num_kv_heads, n, boxes * 2 * head_dim] float32 or
+        float16 on the CPU (read/selection.py's key_digest);
         indices: [n] int64 ascending logical indices of the blocks and hints [num_kv_heads, k] logical indices
         always chosen (both or neither); scores: [num_kv_heads, n] float32, filled with the raw scores when given.
         """
         heads, n, width = digest.shape
         num_heads, head_dim = q.shape
-        if (digest.dtype != torch.float32 or digest.device.type != "cpu" or q.device.type != "cpu"
+        if (digest.dtype not in (torch.float32, torch.float16) or digest.device.type != "cpu" or q.device.type != "cpu"
                 or digest.stride(2) != 1 or width % (2 * head_dim) or head_dim > MAX_HEAD_DIM or head_dim % 8
-                or num_heads % heads or num_heads // heads > MAX_GROUP or not 1 <= budget <= n):
+                or num_heads % heads or num_heads // heads > MAX_GROUP or not 1 <= budget <= n
+                or width // (2 * head_dim) > MAX_DIGEST_BOXES):
             return None
         q = _cpu(q, torch.float32)
         chosen = torch.empty((heads, budget), dtype=torch.int64)
@@ -42,7 +43,8 @@ class NativeSelection:
         if scores is not None:
             assert scores.shape == (heads, n) and scores.dtype == torch.float32 and scores.is_contiguous()
         rc = self.lib.fm_quest_select(q.data_ptr(), heads, num_heads // heads, head_dim, digest.data_ptr(),
-                                      width // (2 * head_dim), digest.stride(0), digest.stride(1), n, index_ptr,
+                                      int(digest.dtype == torch.float16), width // (2 * head_dim), digest.stride(0),
+                                      digest.stride(1), n, index_ptr,
                                       hint_ptr, num_hints, budget,
                                       chosen.data_ptr(), None if scores is None else scores.data_ptr())
         return chosen if rc == 0 else None

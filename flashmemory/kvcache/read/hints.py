@@ -22,6 +22,7 @@ def prompt_hints(q: torch.Tensor, digest: torch.Tensor, indices: torch.Tensor, k
     indices: [n] logical block indices of the digest's blocks
     """
     last = q[-HINT_QUERIES:]
+    digest = digest.float()  # once, not per query (a sequence stores its digests in fp16)
     # Scores of the queries one after another, then the largest: a block any of them points to counts.
     scores = torch.stack([block_scores(token, digest) for token in last]).amax(dim=0)  # [heads, n]
     top = torch.topk(scores, min(k, scores.shape[1]), dim=-1, sorted=False).indices

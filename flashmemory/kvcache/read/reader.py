@@ -23,7 +23,7 @@ from flashmemory.kvcache.quant import Codec, Parts
 from flashmemory.kvcache.read.choice import ChoiceObserver, LayerChoice
 from flashmemory.kvcache.read.hints import boost_hints, prompt_hints
 from flashmemory.kvcache.read.plan import LevelPlan, plan_reads, primary_copy
-from flashmemory.kvcache.read.selection import block_scores, select_blocks, top_blocks
+from flashmemory.kvcache.read.selection import DIGEST_DTYPE, block_scores, select_blocks, top_blocks
 from flashmemory.kvcache.sequence_state import SequenceKV
 
 
@@ -135,7 +135,7 @@ class BlockReader:
         digest = plan.digest[layer]  # [heads, n, 2 * head_dim]
         chosen = None
         if self.selection_kernel is not None:
-            scores = digest.new_empty(digest.shape[:2]) if self.observers else None
+            scores = digest.new_empty(digest.shape[:2], dtype=torch.float32) if self.observers else None
             chosen = self.selection_kernel.select(q[0], digest, budget, None if hints is None else _index_tensor(plan),
                                                   hints, scores)
         if chosen is None:
@@ -217,9 +217,9 @@ class BlockReader:
             "selection_steps": steps,
             "selection_old_read_fraction": sum(self.selected_blocks.values()) / candidates if candidates else 0.0,
             "selection_ms_per_step": self.selection_seconds / steps * 1e3 if steps else 0.0,
-            # float32 centre and radius per channel, box, layer and KV head: per token of history, and held now
-            "selection_digest_bytes_per_token": cfg.num_layers * cfg.num_kv_heads * 2 * cfg.head_dim * 4
-            * cfg.digest_boxes / cfg.block_size,
+            # centre and radius per channel, box, layer and KV head (DIGEST_DTYPE): per token of history, held now
+            "selection_digest_bytes_per_token": cfg.num_layers * cfg.num_kv_heads * 2 * cfg.head_dim
+            * DIGEST_DTYPE.itemsize * cfg.digest_boxes / cfg.block_size,
             "selection_digest_bytes": sum(d.numel() * d.element_size() for d in digests if d is not None),
         }
         for level in (Level.HOST, Level.DISK):

@@ -7,11 +7,15 @@ block of a level is one batched matrix product per KV head instead of a pass ove
 A block may have several boxes, each over `box_tokens` consecutive keys (`selection_box_tokens`): the block's
 bound is then the largest of its boxes' bounds, never looser than one box over the block and tighter where the
 keys of its halves point different ways. Digest row: the boxes one after another, each centre then radius.
+A sequence keeps its digests in DIGEST_DTYPE (fp16: half the memory of float32; a bound rounded by 2**-11 of
+its size ranks blocks as the float32 one does but for near-ties); scores are computed in float32.
 """
 
 from __future__ import annotations
 
 import torch
+
+DIGEST_DTYPE = torch.float16  # how a sequence stores its digests (sequence_state.py)
 
 
 def key_digest(keys: torch.Tensor, box_tokens: int = 0) -> torch.Tensor:
@@ -32,7 +36,7 @@ def block_scores(q: torch.Tensor, digest: torch.Tensor) -> torch.Tensor:
     num_kv_heads, num_blocks, width = digest.shape
     group, box_width = q.shape[0] // num_kv_heads, 2 * q.shape[1]
     boxes = width // box_width
-    q = q.float()
+    q, digest = q.float(), digest.float()
     q_ext = torch.cat((q, q.abs()), dim=-1).view(num_kv_heads, group, box_width)  # [heads, group, 2D]
     if boxes == 1:
         return torch.bmm(digest, q_ext.transpose(1, 2)).amax(dim=-1)  # [heads, blocks]

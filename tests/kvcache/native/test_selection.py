@@ -165,3 +165,13 @@ def test_the_cache_decodes_the_same_with_the_native_choice(observe):
         assert torch.equal(a, b)
     for a, b in zip(seen.scores, expected.scores):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_native_selection_reads_fp16_digests_as_the_torch_path_does():
+    torch.manual_seed(11)
+    q, digest = torch.randn(9, 64), torch.randn(3, 80, 2 * 128).half()
+    scores = torch.empty(3, 80)
+    ours = _kernel().select(q, digest, 17, scores=scores)
+    assert ours is not None and torch.equal(ours, _torch_choice(q, digest, 17))
+    torch.testing.assert_close(scores, block_scores(q, digest), rtol=1e-5, atol=1e-5)

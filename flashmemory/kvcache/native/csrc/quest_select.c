@@ -14,9 +14,11 @@
 
 #define FM_SELECT_MAX_DIM 256
 #define FM_SELECT_MAX_GROUP 32
+#define FM_SELECT_MAX_BOXES 16
 #define FM_SELECT_MAX_BLOCKS 0x7fffffffLL /* block positions fit the key's low 31 bits */
 
 typedef float fm_sv8 __attribute__((vector_size(32)));
+typedef _Float16 fm_select_half;
 
 static inline fm_sv8 load_sv8(const float *p) {
     fm_sv8 r;
@@ -58,21 +60,23 @@ static void select_kth_largest(uint64_t *a, int64_t n, int64_t k) {
     }
 }
 
-/* q [H * G][D] float32 (one token); digest rows of boxes * 2 * D floats at digest + h * head_stride + b * block_stride;
+/* q [H * G][D] float32 (one token); digest rows of boxes * 2 * D values (float32, or fp16 when digest_f16) at
+ * digest + h * head_stride + b * block_stride (strides in elements);
  * indices [n] ascending logical block indices and hints [H][num_hints] logical indices (hints may be NULL: none;
  * a hint not among the indices changes nothing); chosen [H][budget] int64 block positions, ascending; scores
  * [H][n] float32, the raw (unlifted) scores, or NULL. D a multiple of 8. Returns 0, or -1 outside the kernel's
  * limits (the caller then runs the torch path). */
-int fm_quest_select(const float *q, int64_t H, int64_t G, int64_t D, const float *digest, int64_t boxes,
-                    int64_t head_stride, int64_t block_stride, int64_t n, const int64_t *indices,
+int fm_quest_select(const float *q, int64_t H, int64_t G, int64_t D, const void *digest, int digest_f16,
+                    int64_t boxes, int64_t head_stride, int64_t block_stride, int64_t n, const int64_t *indices,
                     const int64_t *hints, int64_t num_hints, int64_t budget, int64_t *chosen, float *scores) {
     if (D > FM_SELECT_MAX_DIM || D % 8 || G > FM_SELECT_MAX_GROUP || G < 1 || n < 1 || n > FM_SELECT_MAX_BLOCKS ||
-        budget < 1 || budget > n || boxes < 1)
+        budget < 1 || budget > n || boxes < 1 || boxes > FM_SELECT_MAX_BOXES)
         return -1;
     uint64_t *keys = malloc(sizeof(uint64_t) * (size_t)n * 2);
     if (keys == NULL) return -1;
     uint64_t *order = keys + n;
     float qx[FM_SELECT_MAX_GROUP][2 * FM_SELECT_MAX_DIM];
+    float widened[FM_SELECT_MAX_BOXES * 2 * FM_SELECT_MAX_DIM];
     for (int64_t h = 0; h < H; h++) {
         for (int64_t g = 0; g < G; g++) {
             const float *qg = q + (h * G + g) * D;
@@ -81,11 +85,18 @@ int fm_quest_select(const float *q, int64_t H, int64_t G, int64_t D, const float
                 qx[g][D + c] = qg[c] < 0 ? -qg[c] : qg[c];
             }
         }
-        const float *dh = digest + h * head_stride;
         for (int64_t b = 0; b < n; b++) {
+            const float *block_row;
+            if (digest_f16) { /* widen the block's row once; the dots below read float32 */
+                const fm_select_half *src = (const fm_select_half *)digest + h * head_stride + b * block_stride;
+                for (int64_t e = 0; e < boxes * 2 * D; e++) widened[e] = (float)src[e];
+                block_row = widened;
+            } else {
+                block_row = (const float *)digest + h * head_stride + b * block_stride;
+            }
             float best = 0;
             for (int64_t x = 0; x < boxes; x++) {
-                const float *row = dh + b * block_stride + x * 2 * D;
+                const float *row = block_row + x * 2 * D;
                 for (int64_t g = 0; g < G; g++) {
                     /* two vector accumulators: the multiply-adds of a row are not serialised on one register */
                     fm_sv8 a0 = {0}, a1 = {0};
