@@ -46,7 +46,7 @@ class TieredCacheConfig:
     selection: str = "quest"  # "quest" (query-aware) or "exact" (attend everything)
     selection_box_tokens: int = 0  # keys per min/max box of a block's digest (0 or >= block_size: one box)
     kv_precision: str = "mixed"  # "fp16" | "int4" | "mixed"
-    kv_quant_range: str = "mse"  # how INT4/INT2 groups pick their range: "mse" | "minmax" (quant.py)
+    kv_quant_range: str = "mse"  # how INT4/INT2 groups pick their range: "mse" | "mse-values" | "minmax" (quant.py)
     num_sink_blocks: int = 1  # first blocks pinned to L0 (attention sinks)
     max_num_seqs: int = 16  # sequences alive at once (each owns a row of its newest tokens in device memory)
     recent_fp16_tokens: int = 0  # newest full-block tokens (<= active_window) attended FP16 from that row, not INT4

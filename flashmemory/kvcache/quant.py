@@ -1,4 +1,4 @@
-"""KV codecs: asymmetric min/max group quantization (KIVI layout) at INT4 / INT2, and fp16 pass-through.
+"""KV codecs: asymmetric group quantization (KIVI layout) at INT4 / INT2, and fp16 pass-through.
 
 Keys are grouped per channel (`key_group_tokens` consecutive tokens of one channel), values per token
 (`value_group_channels` consecutive channels of one token). Scales and zero points are fp16. Codes are packed
@@ -6,7 +6,8 @@ along head_dim: two INT4 or four INT2 codes per byte (planar: see `pack`).
 
 A group's range is its min/max shrunk toward its midpoint by the factor (of `RANGE_SHRINK[bits]`) that gives the
 least squared error ("mse", the default): with four INT2 levels, min/max spends most codes on the few outliers
-and the bulk of a group rounds coarsely. The stored format is the same as plain min/max ("minmax").
+and the bulk of a group rounds coarsely. The stored format is the same as plain min/max ("minmax");
+"mse-values" shrinks the values' ranges only (measured worse on retrieval: docs/needles.md).
 """
 
 from __future__ import annotations

@@ -44,9 +44,8 @@ class NativeSelection:
             assert scores.shape == (heads, n) and scores.dtype == torch.float32 and scores.is_contiguous()
         rc = self.lib.fm_quest_select(q.data_ptr(), heads, num_heads // heads, head_dim, digest.data_ptr(),
                                       int(digest.dtype == torch.float16), width // (2 * head_dim), digest.stride(0),
-                                      digest.stride(1), n, index_ptr,
-                                      hint_ptr, num_hints, budget,
-                                      chosen.data_ptr(), None if scores is None else scores.data_ptr())
+                                      digest.stride(1), n, index_ptr, hint_ptr, num_hints, budget, chosen.data_ptr(),
+                                      None if scores is None else scores.data_ptr())
         return chosen if rc == 0 else None
 
 

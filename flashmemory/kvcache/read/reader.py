@@ -132,7 +132,7 @@ class BlockReader:
         self.candidate_blocks[level] += len(plan.indices)
         self.selected_blocks[level] += budget
         hints = plan.hints.get(layer) if plan.hints else None
-        digest = plan.digest[layer]  # [heads, n, 2 * head_dim]
+        digest = plan.digest[layer]  # [heads, n, boxes * 2 * head_dim] (DIGEST_DTYPE)
         chosen = None
         if self.selection_kernel is not None:
             scores = digest.new_empty(digest.shape[:2], dtype=torch.float32) if self.observers else None
