@@ -75,8 +75,14 @@ class PrefixStore:
             log.warning("the prefix-cache index %s cannot be read (%s); starting with an empty cache", self.path, e)
             return found, {}
         if int(index["version"][0]) != INDEX_VERSION or bytes(index["namespace"]) != self.namespace:
-            log.warning("discarding the %d cached blocks in %s: they belong to another model file, KV precision or "
-                        "block size", len(index["slots"]), self.path.parent)
+            # The blocks were computed under other settings; the sessions' token lists are what a user saved, so
+            # they are kept (same index version) and their KV is computed again when a prompt uses them.
+            same_version = int(index["version"][0]) == INDEX_VERSION
+            found.sessions = json.loads(bytes(index["sessions"]).decode() or "{}") if same_version else {}
+            log.warning("discarding the %d cached blocks in %s: they belong to another model file, KV precision, "
+                        "quantization range, block size or digest boxes%s", len(index["slots"]), self.path.parent,
+                        f"; the {len(found.sessions)} saved session(s) keep their tokens and are recomputed when "
+                        "used" if found.sessions else "")
             found.discarded_namespace = True
             return found, {}
         digests = {}

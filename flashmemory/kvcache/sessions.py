@@ -90,6 +90,9 @@ class CacheSessions:
         assert self.store is not None
         found, self._digests = self.store.load(self.prefix_cache, self.blocks, self.levels[Level.DISK])
         for name, tokens in (found.sessions or {}).items():
+            if found.discarded_namespace:  # no block of it is cached: keep its tokens, a prompt recomputes them
+                self.sessions[name] = list(tokens)
+                continue
             entries = self.prefix_cache.match(tokens, count=False)
             self.blocks.hold(_owner(name), entries)
             self.sessions[name] = list(tokens[: len(entries) * self.block_size])

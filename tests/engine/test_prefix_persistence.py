@@ -47,6 +47,20 @@ def test_another_model_precision_or_block_size_discards_the_old_entries_with_one
     other.close()
 
 
+def test_a_saved_session_keeps_its_tokens_when_the_settings_change(tiny_llama, tmp_path):
+    first = _engine(tiny_llama, tmp_path)
+    first.chat([{"role": "user", "content": DOCUMENT}], max_new_tokens=4, ignore_eos=True)
+    first.save_session("alice")
+    tokens = first.load_session("alice")
+    first.close()
+    other = _engine(tiny_llama, tmp_path, kv_quant_range="minmax")  # another namespace: no block is reused
+    assert other.stats()["prefix_cache_blocks"] == 0
+    assert other.sessions() == ["alice"] and other.load_session("alice") == tokens
+    other.generate(tokens + other.tokenizer.encode(" And then?"), max_new_tokens=2)  # recomputed, then saved again
+    assert other.save_session("alice", tokens) > 0
+    other.close()
+
+
 def test_a_slot_rewritten_after_the_index_was_saved_is_dropped_not_served(tiny_llama, tmp_path):
     prompt = DOCUMENT * 2 + "Who?"
     first = _engine(tiny_llama, tmp_path)
