@@ -15,14 +15,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "flashmemory"
 RANKS = {
     "flashmemory.errors": 0, "flashmemory.version": 0, "flashmemory.settings": 0, "flashmemory.config": 0,
     "flashmemory.seed_names": 0, "flashmemory.native_build": 0, "flashmemory.rss": 0,
+    "flashmemory.snapshot_format": 0,
     "flashmemory.config_args": 0,
     "flashmemory.kvcache": 1, "flashmemory.model": 1,
     "flashmemory.engine": 2,
     "flashmemory.serve": 3, "flashmemory.tools": 3,
     "flashmemory.cli": 4, "flashmemory.__main__": 4, "flashmemory": 4,
 }
-TORCH_FREE = ("flashmemory.rss", "flashmemory.kvcache.manager", "flashmemory.engine.scheduler",
-              "flashmemory.engine.sequence",
+TORCH_FREE = ("flashmemory.rss", "flashmemory.snapshot_format", "flashmemory.kvcache.manager",
+              "flashmemory.engine.scheduler", "flashmemory.engine.sequence",
               "flashmemory.engine.scheduling_policy", "flashmemory.engine.budget_controller")
 # Inside the KV cache: who may not import whom (the composition root, tiered.py, imports them all).
 KVCACHE_FORBIDDEN = {

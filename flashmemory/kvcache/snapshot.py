@@ -1,7 +1,7 @@
 """KV snapshots: a prefilled prompt's exact keys and values in a file, so a long prompt is prefilled once and
 restored for every configuration and run (tools/eval.py --kv-snapshot).
 
-File layout (little endian):
+File layout (little endian; the frame and header reading in flashmemory/snapshot_format.py, torch-free):
     MAGIC (8 bytes) | header length (8 bytes, uint64) | header (UTF-8 JSON) | token ids (int64) | keys | values
 keys and values: [num_layers, num_kv_heads, num_tokens, head_dim] in the header's dtype (the exact cache's
 post-RoPE KV). The header names the model fingerprint, the geometry, the payload's size and its SHA-256; loading
@@ -16,14 +16,13 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 from flashmemory.errors import KVSnapshotError
+from flashmemory.snapshot_format import FORMAT_VERSION, MAGIC, read_header, read_header_from, rebuild_hint
 
-MAGIC = b"FMKVSNP1"
-FORMAT_VERSION = 1
 HASH_PIECE_BYTES = 16 << 20  # the payload is hashed in pieces of this size
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -42,10 +41,6 @@ class KVSnapshot:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-
-def _fix(path: Path) -> str:
-    return f"delete {path} (or pass another --kv-snapshot path) and rerun: the next run prefills and writes it anew"
 
 
 def save_snapshot(path: Path, snap: KVSnapshot) -> None:
@@ -85,31 +80,6 @@ def save_snapshot(path: Path, snap: KVSnapshot) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def read_header(path: Path) -> dict[str, Any]:
-    """The snapshot's JSON header (checked for the magic and a readable length), without the payload."""
-    with open(path, "rb") as f:
-        return _read_header(f, path)
-
-
-def _read_header(f: BinaryIO, path: Path) -> dict[str, Any]:
-    head = f.read(16)
-    if len(head) < 16 or head[:8] != MAGIC:
-        raise KVSnapshotError(f"{path} is not a FlashMemory KV snapshot (bad magic or truncated); {_fix(path)}")
-    (length,) = struct.unpack("<Q", head[8:])
-    raw = f.read(length)
-    if len(raw) != length:
-        raise KVSnapshotError(f"{path} is truncated inside its header; {_fix(path)}")
-    try:
-        header = json.loads(raw)
-    except ValueError as e:
-        raise KVSnapshotError(f"{path} has a corrupt header ({e}); {_fix(path)}") from e
-    if header.get("version") != FORMAT_VERSION:
-        raise KVSnapshotError(f"{path} is format version {header.get('version')}, this build reads "
-                              f"{FORMAT_VERSION}; {_fix(path)}")
-    header["_offset"] = 16 + length
-    return header
-
-
 class SnapshotReader:
     """An open snapshot file, checked whole when opened (fingerprint, tokens, size, SHA-256); its KV is then read a
     token range at a time, so restoring a long prompt never holds the whole file in memory. The file stays open:
@@ -126,12 +96,12 @@ class SnapshotReader:
 
     def _check(self, fingerprint: dict[str, Any], token_ids: list[int]) -> None:
         path, f = self.path, self._file
-        header = _read_header(f, path)
+        header = read_header_from(f, path)
         mismatched = {k: (header["fingerprint"].get(k), v) for k, v in fingerprint.items()
                       if header["fingerprint"].get(k) != v}
         if mismatched:
             diff = ", ".join(f"{k}: snapshot {a!r}, now {b!r}" for k, (a, b) in sorted(mismatched.items()))
-            raise KVSnapshotError(f"{path} was made by another model or settings ({diff}); {_fix(path)}")
+            raise KVSnapshotError(f"{path} was made by another model or settings ({diff}); {rebuild_hint(path)}")
         self.dtype = _DTYPES.get(header["dtype"])
         if self.dtype is None:
             raise KVSnapshotError(f"{path} holds KV of dtype {header['dtype']!r}, not one of {sorted(_DTYPES)}")
@@ -142,25 +112,26 @@ class SnapshotReader:
         expected = num_tokens * 8 + 2 * self.kv_bytes
         if header["payload_bytes"] != expected:
             raise KVSnapshotError(f"{path}: header payload_bytes {header['payload_bytes']} does not match its "
-                                  f"shape ({expected}); {_fix(path)}")
+                                  f"shape ({expected}); {rebuild_hint(path)}")
         self.offset = header["_offset"]
         size = os.fstat(f.fileno()).st_size - self.offset
         if size != expected:
             raise KVSnapshotError(f"{path} is truncated or overlong: the header says {expected} payload bytes, the "
-                                  f"file holds {size}; {_fix(path)}")
+                                  f"file holds {size}; {rebuild_hint(path)}")
         digest = hashlib.sha256()
         f.seek(self.offset)
         for piece in iter(lambda: f.read(HASH_PIECE_BYTES), b""):
             digest.update(piece)
         if digest.hexdigest() != header["payload_sha256"]:
-            raise KVSnapshotError(f"{path}: the payload's SHA-256 does not match its header (corrupt); {_fix(path)}")
+            raise KVSnapshotError(f"{path}: the payload's SHA-256 does not match its header (corrupt); "
+                                  f"{rebuild_hint(path)}")
         f.seek(self.offset)
         ids = torch.frombuffer(bytearray(f.read(num_tokens * 8)), dtype=torch.int64).tolist()
         common = min(num_tokens, len(token_ids))
         if ids[:common] != list(token_ids[:common]):
             first = next(i for i, (a, b) in enumerate(zip(ids, token_ids)) if a != b)
             raise KVSnapshotError(f"{path} holds the KV of other tokens (its {num_tokens} tokens and the "
-                                  f"{len(token_ids)} to score differ at position {first}); {_fix(path)}")
+                                  f"{len(token_ids)} to score differ at position {first}); {rebuild_hint(path)}")
         self.token_ids: list[int] = ids
         self.fingerprint: dict[str, Any] = dict(header["fingerprint"])
         self.notes: dict[str, Any] = dict(header.get("notes", {}))
@@ -180,7 +151,7 @@ class SnapshotReader:
         for i in range(rows.shape[0]):  # each (kv, layer, head) row is contiguous over tokens in the file
             self._file.seek(self.offset + num_tokens * 8 + i * row_bytes + start * head_dim * self.element)
             if self._file.readinto(memoryview(rows[i])) != rows.shape[1]:
-                raise KVSnapshotError(f"{self.path} was cut short while being read; {_fix(self.path)}")
+                raise KVSnapshotError(f"{self.path} was cut short while being read; {rebuild_hint(self.path)}")
         return out[0], out[1]
 
     def close(self) -> None:

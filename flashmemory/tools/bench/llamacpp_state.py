@@ -21,7 +21,6 @@ numpy only: the llama.cpp bench worker never imports torch.
 from __future__ import annotations
 
 import ctypes
-import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +29,10 @@ from typing import Any
 import numpy as np
 
 from flashmemory.errors import KVSnapshotError
+from flashmemory.snapshot_format import read_header
 
 STATE_MAGIC = 0xAF143CD8  # io_magic in llama-context.cpp
 GGML_TYPE_F16 = 1
-SNAPSHOT_MAGIC = b"FMKVSNP1"  # kvcache/snapshot.py's MAGIC (read here without torch)
 # Architectures whose cached keys we can write: True where llama.cpp's converter permuted q/k to interleaved pairs.
 ROPE_INTERLEAVED = {"qwen2": False, "llama": True}
 
@@ -147,18 +146,15 @@ def _check_f16(ggml_type: int, which: str) -> None:
 def read_snapshot_kv(path: Path, num_tokens: int) -> tuple[list[int], np.ndarray, np.ndarray]:
     """Token ids and keys, values [num_layers, num_kv_heads, num_tokens, head_dim] (float16) of a snapshot's first
     num_tokens, without torch. The caller has checked the file whole (kvcache/snapshot.py SnapshotReader)."""
+    header = read_header(path)
+    if header["dtype"] != "float16":
+        raise KVSnapshotError(f"{path} holds {header['dtype']} KV; llama.cpp restores an f16 cache from an "
+                              "FP16 snapshot only (written by the exact FP16 cache)")
+    num_layers, heads, total, head_dim = header["shape"]
+    if not 0 < num_tokens <= total:
+        raise KVSnapshotError(f"{path} holds {total} tokens, {num_tokens} were asked for; ask for at most {total}")
     with open(path, "rb") as f:
-        head = f.read(16)
-        if head[:8] != SNAPSHOT_MAGIC:
-            raise KVSnapshotError(f"{path} is not a FlashMemory KV snapshot; pass the file `flashmemory eval "
-                                  "--kv-snapshot` wrote")
-        header = json.loads(f.read(struct.unpack("<Q", head[8:])[0]))
-        if header["dtype"] != "float16":
-            raise KVSnapshotError(f"{path} holds {header['dtype']} KV; llama.cpp restores an f16 cache from an "
-                                  "FP16 snapshot only (written by the exact FP16 cache)")
-        num_layers, heads, total, head_dim = header["shape"]
-        if not 0 < num_tokens <= total:
-            raise KVSnapshotError(f"{path} holds {total} tokens, {num_tokens} were asked for; ask for at most {total}")
+        f.seek(header["_offset"])
         ids = np.frombuffer(f.read(total * 8), dtype=np.int64)[:num_tokens].tolist()
         payload = np.fromfile(f, dtype=np.float16, count=2 * num_layers * heads * total * head_dim)
     kv = payload.reshape(2, num_layers, heads, total, head_dim)[:, :, :, :num_tokens]
