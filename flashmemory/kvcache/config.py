@@ -68,16 +68,22 @@ class TieredCacheConfig:
     attention_backend: str = "auto"  # decode attention: "auto" (the native CPU kernel where it runs), "native", "torch"
     level_media: dict[Level, str] = field(default_factory=dict)  # a level's medium by name (levels/registry.py)
 
+    def __post_init__(self) -> None:
+        box = self.selection_box_tokens
+        if 0 < box < self.block_size and self.block_size % box:
+            raise ConfigError(f"selection_box_tokens={box} does not divide block_size={self.block_size}: choose a "
+                              f"divisor of the block (e.g. {self.block_size // 2}) or 0 for one box per block")
+
     @property
     def digest_boxes(self) -> int:
         """Boxes per block in the selection digest (read/selection.py's key_digest)."""
         box = self.selection_box_tokens
-        if box <= 0 or box >= self.block_size:
-            return 1
-        if self.block_size % box:
-            raise ConfigError(f"selection_box_tokens={box} does not divide block_size={self.block_size}: choose a "
-                              f"divisor of the block (e.g. {self.block_size // 2}) or 0 for one box per block")
-        return self.block_size // box
+        return self.block_size // box if 0 < box < self.block_size else 1
+
+    @property
+    def digest_box_tokens(self) -> int:
+        """Keys per box of the selection digest (the block's own size with one box)."""
+        return self.block_size // self.digest_boxes
 
     def prefix_namespace(self) -> bytes:
         """What a block's name depends on besides its tokens: the model, every level's precision and how it rounds,

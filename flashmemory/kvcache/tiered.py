@@ -167,7 +167,7 @@ class TieredKVCache(KVCache):
         return self._computed_digest(block)
 
     def _computed_digest(self, block: BlockEntry) -> torch.Tensor:
-        return key_digest(self._blocks_kv([block])[0], self.cfg.block_size // self.cfg.digest_boxes)
+        return key_digest(self._blocks_kv([block])[0], self.cfg.digest_box_tokens)
 
     def _blocks_kv(self, blocks: list[BlockEntry]) -> torch.Tensor:
         """Blocks' keys and values side by side, [2, num_layers, num_kv_heads, len(blocks) * block_size, head_dim]
@@ -302,7 +302,7 @@ class TieredKVCache(KVCache):
         pinned = self.policy.is_pinned(index, seq.pinned_spans)
         self.placement.write_new_block(seq_id, k, v, pinned)
         # Digest for selection: per layer and KV head, the centre and radius of the block's key channels.
-        seq.record_digest(index, key_digest(k, self.cfg.block_size // self.cfg.digest_boxes))  # [L, heads, boxes*2D]
+        seq.record_digest(index, key_digest(k, self.cfg.digest_box_tokens))  # [L, heads, boxes*2D]
         self._name_block(seq, seq_id, index, nameable)
 
     def _name_block(self, seq: SequenceKV, seq_id: int, index: int, register: bool = True) -> None:
