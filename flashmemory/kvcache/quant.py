@@ -152,18 +152,20 @@ def _torch_range(xg: torch.Tensor, red: int, levels: int,
     scale, zero = _range(lo, hi, shrink[0], levels)
     if len(shrink) == 1:
         return scale, zero
-    err = None
-    for factor in shrink:
+    err = _range_error(xg, red, levels, scale, zero)
+    for factor in shrink[1:]:
         s_f, z_f = _range(lo, hi, factor, levels)
-        s, z = s_f.float().clamp_min(1e-8), z_f.float()
-        e = ((xg - z) / s).round_().clamp_(0, levels).mul_(s).add_(z).sub_(xg).square_().sum(red, keepdim=True)
-        if err is None:
-            err = e
-            continue
+        e = _range_error(xg, red, levels, s_f, z_f)
         better = e < err
         err = torch.minimum(e, err)
         scale, zero = torch.where(better, s_f, scale), torch.where(better, z_f, zero)
     return scale, zero
+
+
+def _range_error(xg: torch.Tensor, red: int, levels: int, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Squared error of each group quantized with the fp16 (scale, zero)."""
+    s, z = scale.float().clamp_min(1e-8), zero.float()
+    return ((xg - z) / s).round_().clamp_(0, levels).mul_(s).add_(z).sub_(xg).square_().sum(red, keepdim=True)
 
 
 def _native_range(xg: torch.Tensor, axis: int, bits: int,
