@@ -187,8 +187,6 @@ def restore_into(llm: Any, token_ids: list[int], keys: np.ndarray, values: np.nd
     """Put our KV ([num_layers, num_kv_heads, num_tokens, head_dim], post-RoPE) of token_ids into llama.cpp's
     sequence 0 at positions 0..n-1, and tell llama-cpp-python those tokens are evaluated: the next llm.eval()
     decodes at position n. Raises KVSnapshotError when the model or the cache does not fit the snapshot."""
-    import llama_cpp
-
     arch = llm.metadata.get("general.architecture", "")
     if arch not in ROPE_INTERLEAVED:
         raise KVSnapshotError(f"restoring KV into llama.cpp is written for {sorted(ROPE_INTERLEAVED)}, not {arch!r}; "
@@ -201,6 +199,8 @@ def restore_into(llm: Any, token_ids: list[int], keys: np.ndarray, values: np.nd
                           to_llama_rows(values, False), probe_v_trans(llm, token_ids[0]))
     data = encode_state(state)
     del state
+    import llama_cpp  # here, after the checks: they need no llama.cpp
+
     read = llama_cpp.llama_state_seq_set_data(llm.ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
                                               data.size, 0)
     if read != data.size:
