@@ -116,8 +116,11 @@ def test_python_m_flashmemory_serve_runs_and_stops_cleanly(tiny_llama):
     port = free_port()
     env = {**os.environ, "FLASHMEMORY_SERVED_MODEL_NAME": "from-env", "FLASHMEMORY_PORT": str(port),
            "OMP_NUM_THREADS": "1"}
+    # SIGINT at its default in the child: a shell's background job (nohup cmd &) starts with it ignored, and
+    # uvicorn re-raises the signal it caught, which an ignored disposition turns into exit status 0.
     proc = subprocess.Popen([sys.executable, "-m", "flashmemory.serve", str(tiny_llama), "--log-level", "warning"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 90
         while True:
