@@ -128,8 +128,13 @@ class GGUFFile:
             self.tensors.append(GGUFTensorInfo(name, dims, type_id, data_start + offset, n // block * type_size))
 
     def raw(self, info: GGUFTensorInfo) -> np.ndarray:
-        """The tensor's bytes as [rows, bytes per row] uint8 (a view of the map)."""
-        # A plain ndarray view: numpy subclass bookkeeping on memmap slices costs seconds in gguf.quants.
-        data = self._map[info.offset : info.offset + info.num_bytes].view(np.ndarray)
+        """The tensor's bytes as [rows, bytes per row] uint8, read into a fresh array (not a view of the map).
+        Read, not mapped: a mapped tensor's pages stay resident (and count in this process's RSS) as long as the
+        map lives, so loading a model would hold the whole file beside the weights built from it."""
+        data = np.empty(info.num_bytes, dtype=np.uint8)
+        with self.path.open("rb") as f:
+            f.seek(info.offset)
+            if f.readinto(memoryview(data)) != info.num_bytes:
+                raise GGUFFormatError(f"tensor {info.name} runs past the end of {self.path} (a truncated file?)")
         rows = int(np.prod(info.shape[1:])) if len(info.shape) > 1 else 1
         return data.reshape(rows, -1)

@@ -114,8 +114,6 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         tensor = dequantize_torch(raw, self._types[name].name)  # fast path for the common block types
         if tensor is None:
             array = np.ascontiguousarray(gguf.quants.dequantize(raw, self._types[name]), dtype=np.float32)
-            if not array.flags.writeable:  # F32/F16 tensors come back as views of the read-only file map
-                array = array.copy()
             tensor = torch.from_numpy(array)
         tensor = tensor.reshape(shape)
         cfg = self.config
@@ -132,7 +130,7 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         type_name = self._types[name].name
         if type_name not in BLOCK_FORMATS or len(t.shape) != 2:
             return None
-        blocks = torch.from_numpy(np.array(self._file.raw(t), copy=True))  # [rows, row_bytes]; off the file map
+        blocks = torch.from_numpy(self._file.raw(t))  # [rows, row_bytes], read from the file
         cfg = self.config
         if self._permuted and name.endswith("q_proj.weight"):
             blocks = unpermute_rope_rows(blocks, cfg.num_heads).contiguous()

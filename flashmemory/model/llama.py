@@ -115,7 +115,10 @@ class LlamaModel(nn.Module):
         self.weights_dtype = weights_dtype or dtype  # dense weights; block-format weights stay as stored
         self.workspace = DequantWorkspace()  # prefill tiles of block-format weights
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            # A given weight skips nn.Embedding's random init: on meta it would still import torch._dynamo (its
+            # normal_ decomposes through torch._refs), ~80 MiB of resident modules (sympy) for nothing.
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                             _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
             self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.embed_tokens: nn.Embedding | QuantizedEmbedding
