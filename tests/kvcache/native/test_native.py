@@ -58,6 +58,26 @@ def test_kernel_equals_decode_then_attention_for_every_record_format(bits, threa
 
 
 @needs_kernel
+def test_several_threads_give_the_same_bits_on_every_run():
+    """Blocks are dealt to threads in a fixed order and their states merged in thread order: a step's attention
+    does not depend on which thread ran first (a greedy answer must not change between two identical runs)."""
+    pool = _pool(2)
+    slots = torch.stack([torch.randperm(40)[:37] for _ in range(HEADS)])
+    q = torch.randn(HEADS * GROUP, DIM)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        outs = []
+        for _ in range(8):
+            state = DecodeState(native.library(), q, HEADS)
+            state.add_records(pool.storage[1], slots, native.RecordFormat.for_pool(pool))
+            outs.append(state.output())
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
+@needs_kernel
 def test_kernel_handles_long_dense_runs_and_extreme_scores():
     q = torch.randn(HEADS * GROUP, DIM) * 30  # softmax nearly one-hot: the online max must be right
     k, v = torch.randn(HEADS, 300, DIM), torch.randn(HEADS, 300, DIM)  # several 64-token tiles, a ragged last one
@@ -70,10 +90,11 @@ def test_kernel_handles_long_dense_runs_and_extreme_scores():
 
 
 @needs_kernel
-def test_tiered_decode_is_the_same_with_and_without_the_kernel(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("kv_precision", ["mixed", "int4", "fp16"])  # the disk level's records: INT2, INT4, FP16
+def test_tiered_decode_is_the_same_with_and_without_the_kernel(tiny_llama, monkeypatch, kv_precision):
     ids = torch.randint(3, 300, (110,), generator=torch.Generator().manual_seed(3)).tolist()
     levels = dict(block_size=8, active_window=16, warm_tokens=16, prefill_chunk_tokens=24, cpu_memory_gb=0.01,
-                  cold_zone_gb=0.01, semantic_truncate_threshold=0.5, warm_budget_tokens=8)
+                  cold_zone_gb=0.01, semantic_truncate_threshold=0.5, warm_budget_tokens=8, kv_precision=kv_precision)
     logits = {}
     for use_kernel in (True, False):
         engine = FlashMemoryEngine(model_path=str(tiny_llama), **levels)

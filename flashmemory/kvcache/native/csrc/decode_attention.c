@@ -481,8 +481,10 @@ int fm_attend_records(const float *q, int64_t H, int64_t G, int64_t D, const uin
     const int64_t size = H * G * (D + 2);
     for (int64_t e = 0; e < (threads - 1) * size; e++)
         partial[e] = (e % (D + 2) == D) ? -FLT_MAX : 0.0f; /* acc = 0, m = -FLT_MAX, l = 0 */
-    /* Chunks of FM_MIN_BLOCKS_PER_THREAD blocks, taken dynamically (a thread that loses its core on a shared
-     * machine leaves its chunks to the others); each thread folds what it takes into its own state. */
+    /* Chunks of FM_MIN_BLOCKS_PER_THREAD blocks dealt round-robin (static): thread t folds chunks t, t + threads,
+     * ... in order into its own state, and the states merge in thread order, so a step's result is the same bits
+     * on every run with the same thread count. (Dynamic scheduling balanced a thread that lost its core on a shared
+     * machine, but made the float sums' order, and so the logits' last bits, vary from run to run.) */
     const int64_t num_chunks = (n + FM_MIN_BLOCKS_PER_THREAD - 1) / FM_MIN_BLOCKS_PER_THREAD;
     int used = 1;
 #pragma omp parallel num_threads(threads)
@@ -494,7 +496,7 @@ int fm_attend_records(const float *q, int64_t H, int64_t G, int64_t D, const uin
         const int t = 0;
 #endif
         float *mine = t == 0 ? state : partial + (t - 1) * size;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static, 1)
         for (int64_t c = 0; c < num_chunks; c++) {
             const int64_t i0 = c * FM_MIN_BLOCKS_PER_THREAD;
             const int64_t i1 = i0 + FM_MIN_BLOCKS_PER_THREAD < n ? i0 + FM_MIN_BLOCKS_PER_THREAD : n;
