@@ -71,6 +71,17 @@ class Codec:
             "v_zero": ((*lead, tokens, vg), torch.float16),
         }
 
+    def record_layout(self, tokens: int, head_dim: int) -> dict[str, tuple[int, int, tuple[int, ...], torch.dtype]]:
+        """One KV head's block as a record: each part's (byte offset, byte size, shape, dtype), back to back in
+        part order (the memory pools' records, and the layout the native decode kernel folds)."""
+        layout = {}
+        offset = 0
+        for name, (shape, dtype) in self.part_shapes((), tokens, head_dim).items():
+            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            layout[name] = (offset, size, shape, dtype)
+            offset += size
+        return layout
+
     def nbytes(self, lead: tuple[int, ...], tokens: int, head_dim: int) -> int:
         total = 0
         for shape, dtype in self.part_shapes(lead, tokens, head_dim).values():

@@ -22,7 +22,7 @@ from flashmemory.kvcache.levels.registry import build_levels
 from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
 from flashmemory.kvcache.manager.capacity import KVCapacity
 from flashmemory.kvcache.manager.prefix_cache import PrefixCache, chain_hashes
-from flashmemory.kvcache.native import native_selection
+from flashmemory.kvcache.native import native_selection, use_native_reads
 from flashmemory.kvcache.placement import Placement
 from flashmemory.kvcache.prefix_store import PrefixStore
 from flashmemory.kvcache.sessions import CacheSessions
@@ -46,6 +46,7 @@ class TieredKVCache(KVCache):
         self.policy = cfg.placement_policy()
         self.codecs = level_codecs(cfg.kv_precision, cfg.block_size, cfg.head_dim, cfg.kv_quant_range)
         self.levels: dict[Level, StorageLevel] = build_levels(cfg, self.codecs)
+        use_native_reads(self.levels.get(Level.DISK))  # the disk level's segments read in batches (C)
         self.prefix_cache = PrefixCache(cfg.block_size, cfg.prefix_namespace()) if cfg.prefix_caching else None
         # Decode reads differ from prefill's FP16 reads (a quantized window copy or query-aware selection).
         self._approximate_decode = cfg.selection != "exact" or cfg.kv_precision != "fp16"

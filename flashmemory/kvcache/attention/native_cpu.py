@@ -25,7 +25,7 @@ class NativeCpuAttention:
 
     def __init__(self) -> None:
         self.fallback = TorchAttention()
-        self._formats: dict[int, native.RecordFormat] = {}  # id(pool) -> its record format
+        self._formats: dict[object, native.RecordFormat] = {}  # id(pool) (or a level without one) -> its format
         self._states: dict[tuple[int, int, int], native.DecodeState] = {}  # (heads, kv heads, head_dim) -> state
 
     @staticmethod
@@ -43,7 +43,11 @@ class NativeCpuAttention:
         state.add_dense(new_k, new_v)
         for read in reads:
             pool = reader.memory_pool(read.level)
-            if pool is None or read.level == Level.DISK:  # read from a file as parts, not records: decode, fold
+            if (pool is None or read.level == Level.DISK) and read.chosen is not None:
+                # read from a file as parts: laid out as records (still coded) and folded like a pool's
+                records, positions = reader.records(read.level, read.plan, read.chosen, layer)
+                state.add_records(records, positions, self._record_format(reader, read.level))
+            elif pool is None or read.level == Level.DISK:  # every block of the level: decode, fold
                 kv = reader.gather(read.level, read.plan, read.chosen, layer, torch.float32)
                 state.add_dense(kv[0], kv[1])
             elif read.chosen is None:  # every head reads every block: one row of slots, read with a head stride of 0
@@ -68,6 +72,17 @@ class NativeCpuAttention:
     def prefill(self, layer: int, q: torch.Tensor, filling: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
                 reads: list[LevelRead], reader: BlockReader) -> torch.Tensor:
         return self.fallback.prefill(layer, q, filling, new_k, new_v, reads, reader)
+
+    def _record_format(self, reader: BlockReader, level: Level) -> native.RecordFormat:
+        """The format of `reader.records` for a level without a memory pool (its codec's record layout)."""
+        key = ("records", level)
+        fmt = self._formats.get(key)
+        if fmt is None:
+            codec = reader.codecs[level]
+            layout = codec.record_layout(reader.cfg.block_size, reader.cfg.head_dim)
+            fmt = self._formats[key] = native.RecordFormat.of(
+                codec, reader.cfg.block_size, lambda part: layout[part][0] if part in layout else 0)
+        return fmt
 
     def _format(self, pool) -> native.RecordFormat:
         fmt = self._formats.get(id(pool))

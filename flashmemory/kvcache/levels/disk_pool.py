@@ -17,6 +17,7 @@ import tempfile
 import threading
 import zlib
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -30,6 +31,14 @@ from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.quant import Codec, Parts
 
 PERSISTENT_NAME = "kv-cache.cold"  # the file of a persistent cold zone (persist_cache)
+
+
+class BatchRead(Protocol):
+    """Reads segments of `segment_bytes` at `offsets` of `fd` into out [n, segment_bytes] and checks each against
+    its CRC-32: None when all are good, anything else when one is not (the per-segment read then says which)."""
+
+    def __call__(self, fd: int, offsets: np.ndarray, segment_bytes: int, expected_crcs: np.ndarray,
+                 out: np.ndarray) -> object: ...
 
 
 class DiskPool:
@@ -73,6 +82,8 @@ class DiskPool:
         # is served only while its slot's generation is the one it was read under.
         self._generations: dict[int, int] = {}
         self.uncached_reads = False  # drop each read record from the OS page cache (see set_uncached_reads)
+        # A batched read of many segments (the native kernel's, plugged in by the cache: use_batch_read).
+        self._batch_read: BatchRead | None = None
         self._counter_lock = threading.Lock()  # reads also come from prefetch threads
         self._owned_dir: tempfile.TemporaryDirectory | None = None
         self.persistent = persistent
@@ -272,10 +283,38 @@ class DiskPool:
     def check_medium(self) -> None:
         self.check_file()
 
+    def use_batch_read(self, read: BatchRead | None) -> None:
+        """Read a layer's segments with one call of `read` (None: one Python read per segment). Used only with the
+        plain positional I/O (not the portable seek-based one) and cached reads; a substituted io (fault injection)
+        keeps the per-segment path."""
+        self._batch_read = read
+
     def get_layer(self, slots: list[int], layer: int) -> Parts:
         """One layer of several slots: parts [len(slots), num_kv_heads, ...], every segment verified."""
         self.check_file()
-        return self.unflatten(b"".join(self.read_segment(slot, layer) for slot in slots), len(slots))
+        data = self._read_batch(slots, layer)
+        if data is None:  # no batched read here, or a segment failed it: read one by one (raises and counts)
+            data = b"".join(self.read_segment(slot, layer) for slot in slots)
+        return self.unflatten(data, len(slots))
+
+    def _read_batch(self, slots: list[int], layer: int) -> np.ndarray | None:
+        if (self._batch_read is None or type(self.io) is not PositionalIO or self.io.portable or self.uncached_reads
+                or not slots):
+            return None
+        crcs = np.empty(len(slots), dtype=np.uint32)
+        for i, slot in enumerate(slots):
+            expected = self._crcs.get(slot)
+            if expected is None:
+                return None
+            crcs[i] = expected[layer]
+        offsets = np.asarray(slots, dtype=np.int64) * self.record_bytes + (self.header_bytes
+                                                                           + layer * self.segment_bytes)
+        out = np.empty((len(slots), self.segment_bytes), dtype=np.uint8)
+        if self._batch_read(self._fd, offsets, self.segment_bytes, crcs, out) is not None:
+            return None
+        with self._counter_lock:
+            self.bytes_read += out.size
+        return out
 
     def read_layer(self, slots: Slots, layer: int) -> Parts:
         slots = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
@@ -296,9 +335,12 @@ class DiskPool:
         if self.shape.parse(raw) is None:
             raise self._fail("header", f"cold block slot {slot} has a bad header (format, shape or model mismatch)")
 
-    def unflatten(self, data: bytes, n: int) -> Parts:
+    def unflatten(self, data: bytes | np.ndarray, n: int) -> Parts:
         # data is n segments back to back; each segment is the parts in order, for one slot.
-        buf = np.frombuffer(bytearray(data), dtype=np.uint8).reshape(n, self.segment_bytes)
+        if isinstance(data, np.ndarray):
+            buf = data.reshape(n, self.segment_bytes)
+        else:
+            buf = np.frombuffer(bytearray(data), dtype=np.uint8).reshape(n, self.segment_bytes)
         parts: Parts = {}
         offset = 0
         for name, (shape, dtype) in self.part_shapes.items():

@@ -36,12 +36,8 @@ class TensorPool:
         self.block_size = block_size
         self.device = device
         # name -> (byte offset in the record, byte size, shape without the lead dims, dtype)
-        self.layout: dict[str, tuple[int, int, tuple[int, ...], torch.dtype]] = {}
-        offset = 0
-        for name, (shape, dtype) in codec.part_shapes((), block_size, head_dim).items():
-            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            self.layout[name] = (offset, size, shape, dtype)
-            offset += size
+        self.layout = codec.record_layout(block_size, head_dim)
+        offset = sum(size for _, size, _, _ in self.layout.values())
         self.record_bytes = offset
         self.storage = torch.empty((num_layers, num_kv_heads, num_slots, offset), dtype=torch.uint8, device=device,
                                    pin_memory=pin_memory)

@@ -10,7 +10,8 @@ from pathlib import Path
 from flashmemory.native_build import BASE_FLAGS, build_library
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("decode_attention.c", "quest_select.c", "heat_mlp.c", "access_stats.c", "quant_range.c"))
+                for name in ("decode_attention.c", "quest_select.c", "heat_mlp.c", "access_stats.c", "quant_range.c",
+                               "segment_read.c"))
 # -fopenmp: decode attention splits its blocks over torch's OpenMP threads (the same libgomp, loaded by torch first).
 FLAGS = (*BASE_FLAGS, "-fopenmp")
 MAX_BLOCK_TOKENS = 64  # FM_MAX_TOKENS in the C source
@@ -44,6 +45,10 @@ def library() -> ctypes.CDLL | None:
                                  _I64, f32, _PTR]
     lib.fm_quant_range.restype = ctypes.c_int
     lib.fm_quant_range.argtypes = [_PTR, _I64, _I64, _I64, ctypes.c_int, _PTR, ctypes.c_int, _PTR, _PTR]
+    lib.fm_read_segments.restype = _I64
+    lib.fm_read_segments.argtypes = [ctypes.c_int, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
+    lib.fm_crc32.restype = ctypes.c_uint32
+    lib.fm_crc32.argtypes = [_PTR, _I64]
     return lib
 
 

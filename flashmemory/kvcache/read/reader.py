@@ -194,6 +194,23 @@ class BlockReader:
             blocks_out.copy_(kv[:, torch.arange(heads, device=kv.device)[:, None], pos])
         return out
 
+    def records(self, level: Level, plan: LevelPlan, chosen: torch.Tensor, layer: int) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+        """The `chosen` blocks [num_kv_heads, budget] of one layer as coded records, not decoded: (records
+        [num_kv_heads, n, record_bytes] in the codec's record layout, positions [num_kv_heads, budget] int64 into
+        them), for a kernel that folds records in place. For a level read as parts (the disk level): the union
+        of the heads' blocks is read once and its parts laid out as records, each head's own blocks among them."""
+        heads, bs, head_dim = self.cfg.num_kv_heads, self.cfg.block_size, self.cfg.head_dim
+        needed, pos = torch.unique(chosen, sorted=True, return_inverse=True)
+        parts = self._read_layer(level, plan, needed, layer, decoding=True)  # {name: [heads, n, ...]}
+        layout = self.codecs[level].record_layout(bs, head_dim)
+        record_bytes = sum(size for _, size, _, _ in layout.values())
+        n = needed.numel()
+        out = torch.empty((heads, n, record_bytes), dtype=torch.uint8)
+        for name, (offset, size, _, _) in layout.items():
+            out[:, :, offset: offset + size].copy_(parts[name].contiguous().view(torch.uint8).reshape(heads, n, size))
+        return out, pos
+
     def _read_layer(self, level: Level, plan: LevelPlan, needed: torch.Tensor | None, layer: int,
                     decoding: bool) -> Parts:
         """Parts [heads, blocks, ...] of the plan's blocks (or the `needed` positions of them) for one layer."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flashmemory.errors import ColdBlockError, ConfigError
+from flashmemory.kvcache import native
 from flashmemory.kvcache.levels.disk_pool import DiskPool
 from flashmemory.kvcache.levels.file_io import PORTABLE_ENV
 from flashmemory.kvcache.quant import Codec
@@ -26,11 +27,16 @@ def io_path(request, monkeypatch) -> bool:
     return portable
 
 
-@pytest.fixture
-def pool(tmp_path, io_path):
+@pytest.fixture(params=["per-segment", "batched"])
+def pool(tmp_path, io_path, request):
+    """A disk pool reading segment by segment, or (where the native kernel is built) in batches."""
     p = DiskPool(Codec(2, BS, 16), num_slots=4, num_layers=LAYERS, num_kv_heads=HEADS, block_size=BS,
                  head_dim=DIM, directory=tmp_path, model_fingerprint=b"model-a")
     assert p.io.portable == io_path
+    if request.param == "batched":
+        if native.library() is None:
+            pytest.skip("no C compiler here: the batched read cannot be built (install cc/gcc)")
+        native.use_native_reads(p)
     yield p
     p.close()
 
@@ -49,6 +55,17 @@ def test_round_trip_returns_what_was_written(pool):
         got = pool.get_layer([2], layer)
         for name, tensor in parts.items():
             assert torch.equal(got[name][0], tensor[layer])
+
+
+def test_a_layer_of_many_slots_reads_as_its_segments_one_by_one(pool):
+    for slot in range(4):
+        pool.put(slot, pool.codec.encode(*_block(10 + slot)))
+    slots = [3, 0, 2, 1, 3]
+    got = pool.get_layer(slots, 1)
+    assert pool.bytes_read == len(slots) * pool.segment_bytes
+    want = pool.unflatten(b"".join(pool.read_segment(slot, 1) for slot in slots), len(slots))
+    for name in want:
+        assert torch.equal(got[name], want[name])
 
 
 def test_flipped_byte_in_cold_block_is_detected(pool):
