@@ -40,6 +40,14 @@ def run_needles(args: argparse.Namespace, engine, text: str, text_path: Path,
                      args.needle_trials_per_cell, args.needle_seed)
     trials = list(build_trials(TrialBuilder(engine.tokenizer, text), spec))
     configs = configs or DEFAULT_CONFIGS
+    too_long = [t for t in trials if len(t.token_ids) + t.max_new_tokens > engine.max_seq_len]
+    if too_long:  # refused before any trial runs, not at the first one that reaches the limit
+        worst = max(too_long, key=lambda t: len(t.token_ids) + t.max_new_tokens)
+        room = engine.max_seq_len - (len(worst.token_ids) - worst.length_tokens) - worst.max_new_tokens
+        print(f"error: --needle-lengths {worst.length_tokens} leaves no room for a {worst.task} trial's answer: its "
+              f"prompt is {len(worst.token_ids)} tokens and its answer up to {worst.max_new_tokens}, over the "
+              f"model's {engine.max_seq_len}; use lengths of at most {room}", file=sys.stderr)
+        return 2
 
     def progress(name: str, done: int, total: int) -> None:
         if done == total or done % 10 == 0:

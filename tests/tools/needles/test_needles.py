@@ -87,6 +87,16 @@ def test_eval_needles_scores_every_config_and_writes_json_and_heatmaps(tiny_long
     assert sorted(p.name for p in (tmp_path / "maps").iterdir()) == [f"needles-{BASELINE}.png", "needles-tiny.png"]
 
 
+def test_lengths_that_leave_no_room_for_the_answer_are_refused_before_any_trial(tiny_long, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    rc = main(["eval", "--needles", "--text", str(text), "--model", str(tiny_long), "--needle-tasks", "number",
+               "--needle-lengths", "400", "1024", "--needle-depths", "0.5"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--needle-lengths 1024 leaves no room" in err and "of at most 1012" in err
+    assert "trials" not in err  # nothing ran
+
+
 def _blocks_of(spans: list[tuple[int, int]], block_size: int) -> set[int]:
     return {b for start, end in spans for b in range(start // block_size, (end - 1) // block_size + 1)}
 
