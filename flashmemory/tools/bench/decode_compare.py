@@ -6,8 +6,9 @@ configured (recorded); peak RSS is read in each worker, which holds only its eng
 
 With a KV snapshot (`--kv-snapshot`, written by `flashmemory eval --kv-snapshot`), every engine restores the same
 exact FP16 KV of the context but its last prefill chunk (ours through the cache's write path, llama.cpp through
-its sequence state), prefills that chunk itself, then decodes; restored: the prompt's KV; measured fresh: the
-last chunk's prefill, every decode step, and peak RSS from the end of the restore on.
+its sequence state, transformers as a DynamicCache), prefills that chunk itself, then decodes; restored: the
+prompt's KV; measured fresh: the last chunk's prefill, every decode step, and peak RSS from the end of the restore
+on.
 
 Fidelity rides along (decode_fidelity.py): each worker saves the log-softmax of every teacher-forced step after
 timing it, and each engine gets its decode PPL over those steps and its KL / top-1 against the reference engines
@@ -256,7 +257,7 @@ def _agreement_cells(fidelity: dict[str, Any] | None, reference: str) -> list[st
     if found["na"]:
         return [f"n/a: {found['na']}"] + ["n/a"] * 2
     steps = fidelity["scored_steps"]
-    return [f"{found['delta_ppl']:+.3f}", f"{found['mean_kl']:.4f}", f"{round(found['top1'] * steps)}/{steps}"]
+    return [f"{found['delta_ppl']:+.3f}", f"{found['mean_kl']:.3g}", f"{round(found['top1'] * steps)}/{steps}"]
 
 
 def to_markdown(report: dict[str, Any]) -> str:
@@ -277,7 +278,9 @@ def to_markdown(report: dict[str, Any]) -> str:
         fidelity = r.get("fidelity")
         ppl = "—" if not fidelity else f"{fidelity['decode_ppl']:.3f}"
         cells = "" if ref is None else "".join(f" {c} |" for c in _agreement_cells(fidelity, ref))
-        cells += "".join(f" {' / '.join(_agreement_cells(fidelity, name))} |" for name in second)
+        for name in second:
+            agreement = _agreement_cells(fidelity, name)
+            cells += " — |" if agreement == ["—"] * 3 else f" {' / '.join(agreement)} |"
         if restored:
             cells += f" {r['restored_tokens']} | {r['restore_s']:.1f} | {r['restore_peak_rss_mib']:.0f} |"
         lines.append(f"| {r['context_tokens']} | {r['engine']} | {r.get('threads') or report['threads']} | "
