@@ -48,8 +48,11 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
                    "--json writes it back with the tables recomputed)")
     p.add_argument("--decode-only", action="store_true",
                    help="the fair decode comparison: FlashMemory (weights as in the GGUF, and float32) and llama.cpp "
-                   "in persistent processes, same ids, teacher-forced steps in interleaved rounds "
-                   "(tools/bench/decode_compare.py); uses --model (a GGUF), --text, --lengths, --threads, --json")
+                   "in persistent processes, same ids, teacher-forced steps in interleaved rounds, with each "
+                   "engine's decode PPL and KL / top-1 against fm-exact (and llama.cpp q8_0 against llama.cpp f16) "
+                   "over those steps (tools/bench/decode_compare.py); uses --model (a GGUF), --text, --lengths, "
+                   "--threads, --json, and --engines: fm-* (unbudgeted, no disk), llamacpp-f16(-fa), "
+                   "llamacpp-q8_0-fa, hf-dynamic")
     p.add_argument("--rounds", type=int, default=3, help="--decode-only: interleaved rounds per length (3)")
     p.add_argument("--steps", type=int, default=16, help="--decode-only: teacher-forced steps per round (16)")
     p.add_argument("--fm-omp-wait-policy", default="PASSIVE", choices=["ACTIVE", "PASSIVE"],
@@ -58,9 +61,10 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-snapshot", default=None, metavar="FILE",
                    help="--decode-only: start every engine from this snapshot (written by `flashmemory eval "
                    "--kv-snapshot` on the same --model and --text) instead of a prefill: the context but its last "
-                   "prefill chunk is restored (llama.cpp through its sequence state, f16 KV), that chunk and the "
-                   "decode steps are computed fresh; engines: fm-mixed, fm-exact, llama.cpp at --threads and at 1 "
-                   "thread; default length: the snapshot's tokens, capped to fit the decode steps")
+                   "prefill chunk is restored (llama.cpp through its sequence state as f16 or q8_0 rows, "
+                   "transformers as a DynamicCache), that chunk and the decode steps are computed fresh; default "
+                   "engines: fm-mixed, fm-exact, llama.cpp (f16 KV) at --threads and at 1 thread; default length: "
+                   "the snapshot's tokens, capped to fit the decode steps")
     p.set_defaults(func=_run_bench)
 
 
@@ -110,7 +114,8 @@ def _run_decode_compare(args: argparse.Namespace, parse_length) -> int:
 
     from flashmemory.errors import ConfigError
     from flashmemory.tools.bench.decode_compare import (SNAPSHOT_CHUNK_TOKENS, check_snapshot, default_engines,
-                                                        run_decode_compare, snapshot_engines, to_markdown)
+                                                        named_engines, run_decode_compare, snapshot_engines,
+                                                        to_markdown)
     from flashmemory.model.loader import open_checkpoint
     from flashmemory.model.tokenizer import Tokenizer
     from flashmemory.tools.eval import default_text_path
@@ -130,11 +135,14 @@ def _run_decode_compare(args: argparse.Namespace, parse_length) -> int:
     lengths = [min(parse_length(x), limit) for x in args.lengths] if args.lengths else (
         [limit] if snapshot else [512, 2048, 8192])
     lengths = [min(n, limit) for n in lengths]
-    while len(ids) < max(lengths) + args.rounds * args.steps:  # a short text is repeated
+    while len(ids) < max(lengths) + args.rounds * args.steps + 1:  # a short text is repeated (+1: the last next id)
         ids = ids + ids
     threads = args.threads or min(8, len(os.sched_getaffinity(0)))
-    engines = (snapshot_engines(args.fm_omp_wait_policy, threads) if snapshot
-               else default_engines(args.fm_omp_wait_policy))
+    if args.engines:
+        engines = named_engines(args.engines, args.fm_omp_wait_policy)
+    else:
+        engines = (snapshot_engines(args.fm_omp_wait_policy, threads) if snapshot
+                   else default_engines(args.fm_omp_wait_policy))
     with tempfile.TemporaryDirectory(prefix="fm-decode-") as tmp:
         ids_path = Path(tmp) / "ids.json"
         ids_path.write_text(json.dumps(ids))

@@ -1,12 +1,13 @@
 """Does our KV, restored into llama.cpp, decode as llama.cpp's own prefill does?
 
-    python -m flashmemory.tools.bench.llamacpp_restore_check --tokens 2048 [--model GGUF] [--text FILE]
+    python -m flashmemory.tools.bench.llamacpp_restore_check --tokens 2048 [--kv-type q8_0] [--model GGUF]
 
 For the first N - 1 tokens of the text: llama.cpp prefills them and decodes STEPS teacher-forced steps (the
 reference); our exact FP16 cache prefills them and writes a KV snapshot; llama.cpp restores that snapshot
 (llamacpp_state.py) and decodes the same steps. Prints max |Δlogit| between the two, the two engines' own gap
 (our decode log-softmax against llama.cpp's), llama.cpp's own state restored through the same path (0.0 when the
-layout is right) and a wrong layout (keys in the other RoPE pairing) as the control.
+layout is right) and a wrong layout (keys in the other RoPE pairing) as the control. --kv-type q8_0: llama.cpp's
+cache in q8_0 (K and V, flash attention on, as llama.cpp requires for a quantized V), our FP16 KV quantized to it.
 """
 
 from __future__ import annotations
@@ -38,10 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="a qwen2 or llama GGUF (default: the 32K model)")
     p.add_argument("--text", default="../shared/data/lcet10.txt")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"], help="llama.cpp's K and V cache type")
     args = p.parse_args(argv)
     n, model = args.tokens, Path(args.model) if args.model else long_model_path()
+    kv_type = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}[args.kv_type]
     llm = llama_cpp.Llama(model_path=str(model), n_ctx=n + args.steps + 16, n_batch=512, n_threads=args.threads,
-                          n_threads_batch=args.threads, flash_attn=False, logits_all=False, verbose=False)
+                          n_threads_batch=args.threads, type_k=kv_type, type_v=kv_type,
+                          flash_attn=args.kv_type != "f16", logits_all=False, verbose=False)
     ids = llm.tokenize(Path(args.text).read_bytes(), add_bos=False)[:n + args.steps - 1]
 
     def decode() -> np.ndarray:  # [steps, vocab]: positions n - 1 ... n + steps - 2
@@ -66,13 +70,16 @@ def main(argv: list[str] | None = None) -> int:
         engine.close()
         snap_ids, keys, values = state.read_snapshot_kv(Path(tmp) / "s.kvsnap", n - 1)
     assert snap_ids == ids[:n - 1]
-    width = own.keys.shape[2]
     heads = keys.shape[1]
 
     def ours_layout(rows: np.ndarray) -> np.ndarray:  # llama.cpp rows -> [layers, heads, tokens, head_dim]
+        width = rows.shape[2]
         return rows.reshape(rows.shape[0], rows.shape[1], heads, width // heads).transpose(0, 2, 1, 3)
 
-    state.restore_into(llm, ids[:n - 1], ours_layout(own.keys), ours_layout(own.values))
+    if args.kv_type == "f16":  # through our layout and back
+        state.restore_into(llm, ids[:n - 1], ours_layout(own.keys), ours_layout(own.values))
+    else:  # its q8_0 blocks as they are (dequantized to fp16 and quantized again they would not be the same)
+        state.write_state(llm, own, ids[:n - 1])
     own_restored = decode()
     state.restore_into(llm, snap_ids, keys, values)
     restored = decode()
@@ -83,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"n={n}: our KV restored vs its prefill, {len(real)} steps: max |dlogit| {diff.max():.4g}, mean "
           f"{diff.mean():.3g}, top-1 {(restored.argmax(1) == real.argmax(1)).sum()}/{len(real)}")
     print(f"n={n}: the engines' own gap (our log-softmax vs llama.cpp's): max {gap:.4g}")
+    if args.kv_type != "f16":  # a control: our q8_0 rows without llama.cpp's Hadamard rotation
+        rotation_sizes = state.rotation_sizes
+        state.rotation_sizes = lambda head_dim, ggml_type: (0, 0)
+        state.restore_into(llm, snap_ids, keys, values)
+        unrotated = decode()
+        state.rotation_sizes = rotation_sizes
+        print(f"n={n}: control, q8_0 rows not rotated: max |dlogit| {np.abs(unrotated - real).max():.4g}, top-1 "
+              f"{(unrotated.argmax(1) == real.argmax(1)).sum()}/{len(real)}")
     arch = llm.metadata.get("general.architecture", "")
     state.ROPE_INTERLEAVED[arch] = not state.ROPE_INTERLEAVED[arch]  # the control: the other pairing
     state.restore_into(llm, snap_ids, keys, values)

@@ -13,6 +13,14 @@ src/llama-kv-cache.cpp state_write / state_write_meta / state_write_data), littl
     per layer, v_trans = 1 (no flash attention): i32 v_type, u32 v_element_bytes, u32 n_embd_v_gqa, then for each
         of the n_embd_v_gqa channels its value in every cell.
 
+A row is ggml_row_size(type, width) bytes: width f16 values, or width / 32 q8_0 blocks (ggml_rows.py). llama.cpp
+refuses a quantized V cache without flash attention, so q8_0 V is never transposed; other types are refused.
+A quantized cache holds rotated keys and values (src/llama-kv-cache.cpp attn_rot_k / attn_rot_v, applied in
+src/llama-graph.cpp build_attn, unless LLAMA_ATTN_ROT_DISABLE is set): each head's K in chunks of nrot_k values
+and its V in chunks of 64, multiplied by the orthonormal Walsh-Hadamard matrix of that size (ggml_gen_hadamard;
+queries get the same rotation and the attention output V's inverse, so attention is unchanged). nrot_k is the
+largest power of two from 64 up dividing head_dim; neither is rotated when head_dim is not a multiple of 64.
+
 Keys carry over as they are for qwen2 (NEOX RoPE, our rotate-half layout); for llama llama.cpp's converter
 permuted the q/k rows to interleaved pairs, so each key head is permuted the same way here. This module needs
 numpy only: the llama.cpp bench worker never imports torch.
@@ -21,6 +29,7 @@ numpy only: the llama.cpp bench worker never imports torch.
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +39,10 @@ import numpy as np
 
 from flashmemory.errors import KVSnapshotError
 from flashmemory.snapshot_format import read_header
+from flashmemory.tools.bench.ggml_rows import (GGML_TYPE_F16, GGML_TYPE_Q8_0, Q8_0_BLOCK, QK8_0, ggml_type_of,
+                                               quantize_q8_0, row_dtype)
 
 STATE_MAGIC = 0xAF143CD8  # io_magic in llama-context.cpp
-GGML_TYPE_F16 = 1
 # Architectures whose cached keys we can write: True where llama.cpp's converter permuted q/k to interleaved pairs.
 ROPE_INTERLEAVED = {"qwen2": False, "llama": True}
 
@@ -42,8 +52,10 @@ class SequenceState:
     """One sequence's KV as llama.cpp's state holds it: cell positions and per-layer keys and values."""
 
     positions: np.ndarray  # [num_cells] int32
-    keys: np.ndarray  # [num_layers, num_cells, num_kv_heads * head_dim] float16 (llama.cpp's K rows)
-    values: np.ndarray  # same shape, one row per cell whatever v_trans
+    # [num_layers, num_cells, row elements]: llama.cpp's K rows, num_kv_heads * head_dim float16 values (f16) or
+    # a 32nd as many Q8_0 blocks (q8_0); the dtype names the ggml type (ggml_rows.py)
+    keys: np.ndarray
+    values: np.ndarray  # the same for V, one row per cell whatever v_trans
     v_trans: bool  # how llama.cpp stores V: transposed (no flash attention) or in rows
     seq_id: int = 0
 
@@ -59,14 +71,20 @@ def to_llama_rows(kv: np.ndarray, rope_interleaved: bool) -> np.ndarray:
 
 def encode_state(state: SequenceState) -> np.ndarray:
     """The bytes llama_state_seq_set_data reads (one stream), as a uint8 array written in place (no copies)."""
-    num_layers, num_cells, width = state.keys.shape
-    if state.values.shape != state.keys.shape or state.positions.shape != (num_cells,):
+    num_layers, num_cells, _ = state.keys.shape
+    if state.values.shape[:2] != state.keys.shape[:2] or state.positions.shape != (num_cells,):
         raise KVSnapshotError(f"keys {state.keys.shape}, values {state.values.shape} and {state.positions.shape[0]} "
-                              "positions disagree; pass [num_layers, num_cells, width] KV and one position per cell")
-    row_bytes = width * 2
-    layer_bytes = num_cells * row_bytes
+                              "positions disagree; pass [num_layers, num_cells, row elements] KV and one position "
+                              "per cell")
+    k_type, v_type = ggml_type_of(state.keys), ggml_type_of(state.values)
+    if state.v_trans and v_type != GGML_TYPE_F16:
+        raise KVSnapshotError("a transposed V cache holds f16 values only (llama.cpp needs flash attention, hence "
+                              "V in rows, for a quantized V cache)")
+    k_row_bytes = state.keys.shape[2] * state.keys.itemsize
+    v_row_bytes = state.values.shape[2] * state.values.itemsize
     v_head = 4 + 4 + 4 if state.v_trans else 4 + 8
-    size = 4 + 4 + 4 + 4 + num_cells * 12 + 8 + num_layers * (4 + 8 + layer_bytes + v_head + layer_bytes)
+    size = (4 + 4 + 4 + 4 + num_cells * 12 + 8
+            + num_layers * (4 + 8 + num_cells * k_row_bytes + v_head + num_cells * v_row_bytes))
     out = np.empty(size, dtype=np.uint8)
     at = 0
 
@@ -77,7 +95,7 @@ def encode_state(state: SequenceState) -> np.ndarray:
 
     def put_array(array: np.ndarray) -> None:
         nonlocal at
-        flat = array.reshape(-1).view(np.uint8)
+        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         out[at:at + flat.size] = flat
         at += flat.size
 
@@ -88,21 +106,22 @@ def encode_state(state: SequenceState) -> np.ndarray:
     put_array(meta)
     put("II", int(state.v_trans), num_layers)
     for layer in range(num_layers):
-        put("iQ", GGML_TYPE_F16, row_bytes)
-        put_array(np.ascontiguousarray(state.keys[layer], dtype=np.float16))
+        put("iQ", k_type, k_row_bytes)
+        put_array(state.keys[layer])
     for layer in range(num_layers):
         if state.v_trans:
-            put("iII", GGML_TYPE_F16, 2, width)
-            put_array(np.ascontiguousarray(state.values[layer].T, dtype=np.float16))  # [width, num_cells]
+            put("iII", GGML_TYPE_F16, 2, state.values.shape[2])
+            put_array(state.values[layer].T)  # [width, num_cells]
         else:
-            put("iQ", GGML_TYPE_F16, row_bytes)
-            put_array(np.ascontiguousarray(state.values[layer], dtype=np.float16))
+            put("iQ", v_type, v_row_bytes)
+            put_array(state.values[layer])
     assert at == size, "the state's size was computed from the same fields it writes"
     return out
 
 
 def decode_state(data: bytes | np.ndarray) -> SequenceState:
-    """A one-stream, f16 sequence state as llama_state_seq_get_data writes it (the inverse of encode_state)."""
+    """A one-stream f16 or q8_0 sequence state as llama_state_seq_get_data writes it (the inverse of
+    encode_state); the rows are views of `data`, not copies."""
     buf = np.frombuffer(data, dtype=np.uint8)
     magic, seq_id, num_streams, num_cells = struct.unpack_from("<IiII", buf, 0)
     if magic != STATE_MAGIC or num_streams != 1:
@@ -115,32 +134,27 @@ def decode_state(data: bytes | np.ndarray) -> SequenceState:
     at += num_cells * 12
     v_trans, num_layers = struct.unpack_from("<II", buf, at)
     at += 8
-    keys, values = [], []
-    for _ in range(num_layers):
-        k_type, row_bytes = struct.unpack_from("<iQ", buf, at)
-        _check_f16(k_type, "K")
-        at += 12
-        keys.append(buf[at:at + num_cells * row_bytes].view(np.float16).reshape(num_cells, row_bytes // 2))
-        at += num_cells * row_bytes
+
+    def rows(which: str) -> np.ndarray:  # [num_cells, row elements] after a type and a row size
+        nonlocal at
+        ggml_type, row_bytes = struct.unpack_from("<iQ", buf, at)
+        dtype = row_dtype(ggml_type, which)
+        at += 12 + num_cells * row_bytes
+        return buf[at - num_cells * row_bytes:at].view(dtype).reshape(num_cells, row_bytes // dtype.itemsize)
+
+    keys = [rows("K") for _ in range(num_layers)]
+    values = []
     for _ in range(num_layers):
         if v_trans:
             v_type, _, width = struct.unpack_from("<iII", buf, at)
+            if v_type != GGML_TYPE_F16:
+                raise KVSnapshotError(f"a transposed V cache of ggml type {v_type}: only f16 is read transposed")
             at += 12
             values.append(buf[at:at + num_cells * width * 2].view(np.float16).reshape(width, num_cells).T)
             at += num_cells * width * 2
         else:
-            v_type, row_bytes = struct.unpack_from("<iQ", buf, at)
-            at += 12
-            values.append(buf[at:at + num_cells * row_bytes].view(np.float16).reshape(num_cells, row_bytes // 2))
-            at += num_cells * row_bytes
-        _check_f16(v_type, "V")
+            values.append(rows("V"))
     return SequenceState(meta[:, 0].copy(), np.stack(keys), np.stack(values), bool(v_trans), seq_id)
-
-
-def _check_f16(ggml_type: int, which: str) -> None:
-    if ggml_type != GGML_TYPE_F16:
-        raise KVSnapshotError(f"llama.cpp's {which} cache is ggml type {ggml_type}, not f16: a snapshot restores "
-                              "into an f16 KV cache only (open the model with type_k = type_v = f16)")
 
 
 def read_snapshot_kv(path: Path, num_tokens: int) -> tuple[list[int], np.ndarray, np.ndarray]:
@@ -161,14 +175,51 @@ def read_snapshot_kv(path: Path, num_tokens: int) -> tuple[list[int], np.ndarray
     return ids, kv[0], kv[1]
 
 
-def probe_v_trans(llm: Any, token_id: int) -> bool:
-    """Whether this context stores V transposed, read from llama.cpp's own state of one evaluated token (then
-    dropped): the layout follows its flash-attention setting, which an 'auto' setting decides at run time."""
+def probe_layout(llm: Any, token_id: int) -> tuple[bool, int, int]:
+    """(v_trans, K type, V type) of this context's cache, read from llama.cpp's own state of one evaluated token
+    (then dropped): V's layout follows its flash-attention setting, which an 'auto' setting decides at run time."""
     llm.reset()
     llm.eval([token_id])
     own = decode_state(sequence_bytes(llm))
     llm.reset()
-    return own.v_trans
+    return own.v_trans, ggml_type_of(own.keys), ggml_type_of(own.values)
+
+
+def hadamard(n: int) -> np.ndarray:
+    """ggml_gen_hadamard's [n, n] orthonormal Walsh-Hadamard matrix (n a power of two; symmetric, its own inverse)."""
+    h = np.full((1, 1), 1 / np.sqrt(np.float32(n)), dtype=np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def rotation_sizes(head_dim: int, ggml_type: int) -> tuple[int, int]:
+    """(K chunk, V chunk) of the Hadamard rotation llama.cpp applies to a cache of this type; 0 = not rotated."""
+    disabled = os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0").strip()
+    if ggml_type == GGML_TYPE_F16 or head_dim % 64 or (disabled.lstrip("-").isdigit() and int(disabled)):
+        return 0, 0
+    nrot_k = 64
+    while head_dim % (nrot_k * 2) == 0:
+        nrot_k *= 2
+    return nrot_k, 64
+
+
+def as_cache_rows(kv: np.ndarray, ggml_type: int, rope_interleaved: bool, rotation: int = 0) -> np.ndarray:
+    """Our [num_layers, num_kv_heads, num_tokens, head_dim] FP16 KV as llama.cpp's rows of `ggml_type`, each
+    `rotation` values multiplied by hadamard(rotation) first when it is not 0."""
+    rows = to_llama_rows(kv, rope_interleaved)  # [num_layers, num_tokens, width] float16
+    if ggml_type == GGML_TYPE_F16:
+        return rows
+    assert ggml_type == GGML_TYPE_Q8_0, "probe_layout reads only the types ggml_rows knows"
+    h = hadamard(rotation) if rotation else None
+    out = np.empty((*rows.shape[:2], rows.shape[2] // QK8_0), dtype=Q8_0_BLOCK)
+    for layer in range(rows.shape[0]):  # a layer at a time: the float32 temporaries stay one layer's size
+        values = rows[layer].astype(np.float32)
+        if h is not None:
+            chunks = values.reshape(values.shape[0], -1, rotation)  # [num_tokens, width / rotation, rotation]
+            values = (chunks @ h.T).reshape(values.shape)  # each chunk x -> H x, as ggml_mul_mat(rot, x)
+        out[layer] = quantize_q8_0(values)
+    return out
 
 
 def sequence_bytes(llm: Any, seq_id: int = 0) -> bytes:
@@ -185,8 +236,9 @@ def sequence_bytes(llm: Any, seq_id: int = 0) -> bytes:
 
 def restore_into(llm: Any, token_ids: list[int], keys: np.ndarray, values: np.ndarray) -> None:
     """Put our KV ([num_layers, num_kv_heads, num_tokens, head_dim], post-RoPE) of token_ids into llama.cpp's
-    sequence 0 at positions 0..n-1, and tell llama-cpp-python those tokens are evaluated: the next llm.eval()
-    decodes at position n. Raises KVSnapshotError when the model or the cache does not fit the snapshot."""
+    sequence 0 at positions 0..n-1 (as f16 or q8_0 rows, whichever its cache holds), and tell llama-cpp-python
+    those tokens are evaluated: the next llm.eval() decodes at position n. Raises KVSnapshotError when the model
+    or the cache does not fit the snapshot."""
     arch = llm.metadata.get("general.architecture", "")
     if arch not in ROPE_INTERLEAVED:
         raise KVSnapshotError(f"restoring KV into llama.cpp is written for {sorted(ROPE_INTERLEAVED)}, not {arch!r}; "
@@ -195,16 +247,24 @@ def restore_into(llm: Any, token_ids: list[int], keys: np.ndarray, values: np.nd
     if num_tokens != len(token_ids) or num_tokens >= llm.n_ctx():
         raise KVSnapshotError(f"{num_tokens} cells of KV for {len(token_ids)} tokens in a context of {llm.n_ctx()}; "
                               "open llama.cpp with n_ctx above the restored tokens plus the decode steps")
-    state = SequenceState(np.arange(num_tokens, dtype=np.int32), to_llama_rows(keys, ROPE_INTERLEAVED[arch]),
-                          to_llama_rows(values, False), probe_v_trans(llm, token_ids[0]))
-    data = encode_state(state)
-    del state
-    import llama_cpp  # here, after the checks: they need no llama.cpp
+    v_trans, k_type, v_type = probe_layout(llm, token_ids[0])
+    head_dim = keys.shape[3]
+    state = SequenceState(np.arange(num_tokens, dtype=np.int32),
+                          as_cache_rows(keys, k_type, ROPE_INTERLEAVED[arch], rotation_sizes(head_dim, k_type)[0]),
+                          as_cache_rows(values, v_type, False, rotation_sizes(head_dim, v_type)[1]), v_trans)
+    write_state(llm, state, token_ids)
 
+
+def write_state(llm: Any, state: SequenceState, token_ids: list[int]) -> None:
+    """llama_state_seq_set_data of `state` into sequence 0, then llama-cpp-python told its cells hold token_ids."""
+    import llama_cpp  # here, after restore_into's checks: they need no llama.cpp
+
+    data = encode_state(state)
     read = llama_cpp.llama_state_seq_set_data(llm.ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
                                               data.size, 0)
     if read != data.size:
         raise KVSnapshotError(f"llama.cpp read {read} of {data.size} state bytes (a layer count, row size or cache "
                               "size it refused; see its log with verbose=True): the snapshot's model differs")
+    num_tokens = len(token_ids)
     llm.input_ids[:num_tokens] = token_ids
     llm.n_tokens = num_tokens

@@ -32,6 +32,8 @@ class Llama:
         self.evaluated: list[int] = []
         self._logits = (ctypes.c_float * VOCAB)()
         self.ctx = self  # llama_get_logits_ith receives it back
+        self.metadata = {"general.architecture": "llama", "llama.block_count": "2", "llama.embedding_length": "64",
+                         "llama.attention.head_count": "4", "llama.attention.head_count_kv": "2"}
         self.closed = False
         created.append(self)
 
