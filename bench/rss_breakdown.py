@@ -40,7 +40,6 @@ def main() -> int:
 
     stages.append(("import torch", _status()))
     from flashmemory import FlashMemoryEngine
-    from flashmemory.model.tokenizer import Tokenizer
     from flashmemory.tools.eval import default_text_path
 
     stages.append(("import flashmemory", _status()))
@@ -49,12 +48,11 @@ def main() -> int:
                                max_seq_len=args.context + args.steps + 16, **settings)
     weights = engine.model.num_parameter_bytes()
     stages.append(("engine built (weights, KV pools, kernels)", _status()))
-    tokenizer = Tokenizer.from_checkpoint(engine.model_path, engine.model_config.eos_token_ids)
-    ids = tokenizer.encode(Path(args.text or default_text_path()).read_text(errors="replace"),
+    ids = engine.tokenizer.encode(Path(args.text or default_text_path()).read_text(errors="replace"),
                            add_special_tokens=False)
     while len(ids) < args.context + args.steps:
         ids += ids
-    stages.append(("tokenizer and text", _status()))
+    stages.append(("text tokenized", _status()))
     seq_id = engine.core.next_seq_id()
     engine.cache.add_sequence(seq_id)
     engine._forward(seq_id, ids[: args.context])
@@ -62,6 +60,8 @@ def main() -> int:
     for pos in range(args.context, args.context + args.steps):
         engine._forward(seq_id, [ids[pos]])
     stages.append((f"{args.steps} decode steps", _status()))
+    kv = {k: v for k, v in engine.stats().items()
+          if k in ("L0_bytes", "L1_bytes_committed", "L2_bytes_committed", "selection_digest_bytes")}
     rows = []
     print(f"{'stage':<44} {'RSS MiB':>8} {'+RSS':>7} {'peak MiB':>9} {'+peak':>7} {'anon':>7} {'file':>7}")
     for i, (name, now) in enumerate(stages):
@@ -73,9 +73,10 @@ def main() -> int:
         print(f"{name:<44} {row['VmRSS']:>8.1f} {row['rss_growth_mib']:>+7.1f} {row['VmHWM']:>9.1f} "
               f"{row['peak_growth_mib']:>+7.1f} {row['RssAnon']:>7.1f} {row['RssFile']:>7.1f}")
     print(f"weights as stored: {weights / MIB:.1f} MiB ({engine.config.weights_dtype}); "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}; KV held at the end (MiB): "
+          + ", ".join(f"{k} {v / MIB:.1f}" for k, v in kv.items()))
     result = {"context": args.context, "steps": args.steps, "threads": args.threads, "settings": settings,
-              "weights_bytes": weights, "model": str(engine.model_path), "stages": rows}
+              "weights_bytes": weights, "kv_bytes": kv, "model": str(engine.model_path), "stages": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     engine.close()
