@@ -149,3 +149,18 @@ def test_on_the_cpu_q8_0_and_q4_0_keep_the_block_formats(tmp_path):
         assert isinstance(model.layers[0].self_attn.qkv_proj, QuantizedLinear)
     assert cuda_weights.uses_torchao("q4_0", torch.device("cuda:1"))
     assert not cuda_weights.uses_torchao("bfloat16", torch.device("cuda"))
+
+
+def test_the_gpu_check_script_says_no_cuda_device_and_measures_nothing(monkeypatch, capsys):
+    """bench/cuda_weights_check.py on a CPU-only host: a clear message and status 2, no CPU numbers under its name."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "cuda_weights_check.py"
+    spec = importlib.util.spec_from_file_location("cuda_weights_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["cuda_weights_check.py"])
+    assert script.main() == 2
+    assert "no CUDA device" in capsys.readouterr().err
