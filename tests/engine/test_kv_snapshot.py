@@ -98,7 +98,7 @@ def test_fingerprint_changes_with_the_weights(tiny_llama, tmp_path):
 
 
 def test_q8_0_through_torchao_is_not_the_cpus_q8_0(engine, monkeypatch):
-    """weights_dtype="q8_0" is GGUF blocks on the CPU and torchao's int8 on CUDA: a snapshot of one is not the other's."""
+    """weights_dtype="q8_0" is GGUF blocks on the CPU, torchao int8 on CUDA: a snapshot of one is not the other's."""
     monkeypatch.setattr(engine.config, "weights_dtype", "q8_0")
     on_cpu = engine_fingerprint(engine)
     monkeypatch.setattr(engine, "device", torch.device("cuda"))
