@@ -48,8 +48,8 @@ _DISK_FRACTION = 0.5
 _FM_DISK = {"kv_cache": "tiered", "kv_precision": "mixed", "cold_zone_uncached_reads": True, **_FM_COMMON}
 PREFETCH_BASELINE_ENGINE = "fm-mixed-disk"  # the disk engine without prefetch the prefetching ones compare with
 # weights_dtype q8_0/q4_0 on a GPU (model/cuda_weights.py): fm-exact's KV, so fidelity against fm-exact is the
-# weights' alone. On a CPU the same settings run our C kernels, which fm-float32/fm in --decode-only compare.
-_FM_CUDA_WEIGHTS = {"kv_cache": "contiguous", "kv_precision": "fp16", **_FM_COMMON}
+# weights' alone. device="cuda": never our CPU kernels under this name (those are what --decode-only compares).
+_FM_CUDA_WEIGHTS = {"device": "cuda", "kv_cache": "contiguous", "kv_precision": "fp16", **_FM_COMMON}
 _CUDA_WEIGHTS_WHY = ("torchao's int8/int4 weight-only kernels run on a GPU; on the CPU q8_0/q4_0 are our C kernels, "
                      "not this engine")
 _HF_OFFLOAD_WHY = "transformers' offloaded caches copy KV between GPU and host"

@@ -75,7 +75,8 @@ def test_cuda_weight_only_engines_are_na_without_a_gpu_and_name_torchao_on_one(m
     by_name = {e.name: e for e in ENGINES}
     for name, weights_dtype in (("fm-cuda-int8", "q8_0"), ("fm-cuda-int4", "q4_0")):
         spec = by_name[name]
-        assert spec.settings["weights_dtype"] == weights_dtype and spec in select_engines([])
+        assert spec.settings["weights_dtype"] == weights_dtype and spec.settings["device"] == "cuda"
+        assert spec in select_engines([])
         assert unavailable_reason(spec, True, cuda_available=False).startswith("n/a: needs CUDA, no CUDA device")
         monkeypatch.setattr(engines_module, "_importable", lambda module: False)
         assert "pip install torchao==0.18.0" in unavailable_reason(spec, True, cuda_available=True)
