@@ -31,7 +31,8 @@ class EngineConfig:
     weights_dtype: str = setting(
         "auto", "how weights are stored: auto (a GGUF's block formats Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K as in the "
         "file, read by a native GEMV on the CPU; other formats and safetensors dense in dtype), float32 or bfloat16 "
-        "(every weight dense), q8_0 or q4_0 (quantize a checkpoint's matrices at load; CPU only)",
+        "(every weight dense), q8_0 or q4_0 (quantize a checkpoint's matrices at load: on the CPU into those GGUF "
+        "blocks; on CUDA into torchao int8 per-row / int4 group-32 weight-only, pip install torchao==0.18.0)",
         choices=("auto", "float32", "bfloat16", "q8_0", "q4_0"))
     max_seq_len: int | None = setting(
         None, "longest sequence (prompt + generated); None = the model's limit", unit="tokens", ge=2)

@@ -57,7 +57,7 @@ class FlashMemoryEngine:
         # Before loading weights: a budget that cannot work fails fast.
         check_budgets(self.config)
         # Weights as stored (block formats at their size): estimated before loading, then measured.
-        self.weights_bytes = weights_bytes(checkpoint, self.config.weights_dtype, self.dtype)
+        self.weights_bytes = weights_bytes(checkpoint, self.config.weights_dtype, self.dtype, self.device)
         self.device_plan: DevicePlan | None = device_plan_for(self.config, self.model_config, self.max_seq_len,
                                                                self.dtype, self.weights_bytes)
         self.model = build_model(checkpoint, self.device, self.dtype, self.config.weights_dtype)

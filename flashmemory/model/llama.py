@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from flashmemory.errors import CorruptWeightsError
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
+from flashmemory.model.cuda_weights import tensor_bytes
 from flashmemory.model.linear import DenseLinear, DequantWorkspace, QuantizedEmbedding, QuantizedLinear
 from flashmemory.model.model_config import ModelConfig
 from flashmemory.model.native import step_ops
@@ -153,8 +154,10 @@ class LlamaModel(nn.Module):
         weight = self.embed_tokens.weight  # tied, dense
         return F.linear(x.to(weight.dtype), weight).float()
 
-    def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor], progress: bool = False) -> None:
-        """Take tensors named as in Hugging Face checkpoints (model.layers.N.self_attn.q_proj.weight, ...)."""
+    def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor], progress: bool = False,
+                           finish_layer: Callable[[nn.Module], None] | None = None) -> None:
+        """Take tensors named as in Hugging Face checkpoints (model.layers.N.self_attn.q_proj.weight, ...);
+        finish_layer(layer) runs on each decoder layer once its weights are in (torchao quantizes it there)."""
         cfg = self.config
 
         def take(name: str) -> torch.Tensor:
@@ -217,6 +220,8 @@ class LlamaModel(nn.Module):
             project(mlp, "gate_up_proj", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], None,
                     (2 * inter, hidden))
             project(mlp, "down_proj", [p + "mlp.down_proj.weight"], None, (hidden, inter))
+            if finish_layer is not None:
+                finish_layer(layer)
 
     def num_parameters(self) -> int:
         """Weights of the model however stored (a block-format matrix counts rows x cols; a tied table once)."""
@@ -230,6 +235,7 @@ class LlamaModel(nn.Module):
         return sum(counts.values())
 
     def num_parameter_bytes(self) -> int:
-        """Bytes the weights take as stored (block formats at their real size; a tied table counted once)."""
+        """Bytes the weights take as stored (block formats and torchao's tensors at their real size; a tied table
+        counted once)."""
         tensors = {id(t): t for t in (*self.parameters(), *self.buffers())}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return sum(tensor_bytes(t) for t in tensors.values())

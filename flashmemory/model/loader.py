@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from flashmemory.errors import ConfigError, ModelNotFoundError
+from flashmemory.model import cuda_weights
 from flashmemory.model.default_model import default_model_path
 from flashmemory.model.gguf_loader import GGUFCheckpoint
 from flashmemory.model.llama import LlamaModel
@@ -26,7 +27,8 @@ logger = logging.getLogger(__name__)
 DECODER_FAMILIES: dict[str, type[LlamaModel]] = {"llama": LlamaModel}
 # How weights are kept (EngineConfig.weights_dtype): "auto" keeps a GGUF's block formats (the native GEMV reads
 # them; formats it does not read are dequantized), "float32" / "bfloat16" store every weight dense in that dtype,
-# "q8_0" / "q4_0" quantize a dense checkpoint's matrices at load.
+# "q8_0" / "q4_0" quantize a dense checkpoint's matrices at load: on the CPU into those GGUF block formats (our C
+# GEMV), on CUDA into torchao's int8 / int4 weight-only tensors (cuda_weights.py).
 WEIGHTS_DTYPES = ("auto", "float32", "bfloat16", "q8_0", "q4_0")
 _DENSE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -81,12 +83,17 @@ class StoredWeights(Mapping[str, torch.Tensor | QuantizedTensor]):
         if weights_dtype not in WEIGHTS_DTYPES:
             raise ConfigError(f"weights_dtype={weights_dtype!r} is not supported; use one of: "
                               f"{', '.join(WEIGHTS_DTYPES)}")
-        if weights_dtype in ("q8_0", "q4_0") and device.type != "cpu":
-            raise ConfigError(f"weights_dtype={weights_dtype!r} runs on the CPU only (the block-format kernels are "
-                              "C); on a GPU use weights_dtype='auto', 'float32' or 'bfloat16'")
+        if weights_dtype in ("q8_0", "q4_0") and device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"weights_dtype={weights_dtype!r} runs on the CPU (our block-format C kernels) or on "
+                              f"CUDA (torchao), not on {device.type}; use weights_dtype='auto', 'float32' or "
+                              "'bfloat16' there")
+        if cuda_weights.uses_torchao(weights_dtype, device):
+            cuda_weights.check_cuda_weights(weights_dtype, device)
         self.tensors = checkpoint.tensors
         self.keep_blocks = weights_dtype == "auto" and device.type == "cpu" and isinstance(self.tensors, GGUFCheckpoint)
-        self.quantize_to = weights_dtype.upper() if weights_dtype in ("q8_0", "q4_0") else None
+        # On CUDA the matrices come dense and torchao quantizes each layer once it is on the device.
+        self.quantize_to = weights_dtype.upper() if weights_dtype in ("q8_0", "q4_0") and device.type == "cpu" \
+            else None
 
     def _is_matrix(self, name: str) -> bool:
         return name.endswith(".weight") and "norm" not in name
@@ -111,8 +118,11 @@ class StoredWeights(Mapping[str, torch.Tensor | QuantizedTensor]):
         return len(self.tensors)
 
 
-def weights_bytes(checkpoint: Checkpoint, weights_dtype: str, dtype: torch.dtype) -> int:
+def weights_bytes(checkpoint: Checkpoint, weights_dtype: str, dtype: torch.dtype,
+                  device: torch.device = torch.device("cpu")) -> int:
     """Bytes the model's weights will take once loaded (block formats at their size), before loading them."""
+    if cuda_weights.uses_torchao(weights_dtype, device):
+        return cuda_weights.torchao_weights_bytes(checkpoint.config, weights_dtype, dtype)
     dense_dtype = _DENSE.get(weights_dtype, dtype)
     dense = checkpoint.config.num_parameters() * torch.empty((), dtype=dense_dtype).element_size()
     if weights_dtype in ("q8_0", "q4_0"):
@@ -128,7 +138,11 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
     """Instantiate our decoder and load the checkpoint's tensors into it (tqdm bar on a terminal)."""
     stored = StoredWeights(checkpoint, weights_dtype, device)
     decoder = DECODER_FAMILIES[BY_HF_NAME[checkpoint.config.architecture].family]
-    model = decoder(checkpoint.config, device=device, dtype=dtype, weights_dtype=_DENSE.get(weights_dtype))
-    model.load_hf_state_dict(stored, progress=sys.stderr.isatty())
+    torchao = cuda_weights.uses_torchao(weights_dtype, device)
+    # torchao's int4 kernel takes bfloat16 weights only; int8 keeps the same dtype for its scales' products.
+    dense_dtype = torch.bfloat16 if torchao else _DENSE.get(weights_dtype)
+    model = decoder(checkpoint.config, device=device, dtype=dtype, weights_dtype=dense_dtype)
+    finish_layer = (lambda layer: cuda_weights.quantize_layer(layer, weights_dtype)) if torchao else None
+    model.load_hf_state_dict(stored, progress=sys.stderr.isatty(), finish_layer=finish_layer)
     logger.info("weights: %s, %.1f MiB as stored", weights_dtype, model.num_parameter_bytes() / 2**20)
     return model

@@ -97,6 +97,14 @@ def test_fingerprint_changes_with_the_weights(tiny_llama, tmp_path):
     assert model_fingerprint(copy, engine.model_config, torch.bfloat16, "auto")["dtype"] == "bfloat16"
 
 
+def test_q8_0_through_torchao_is_not_the_cpus_q8_0(engine, monkeypatch):
+    """weights_dtype="q8_0" is GGUF blocks on the CPU, torchao int8 on CUDA: a snapshot of one is not the other's."""
+    monkeypatch.setattr(engine.config, "weights_dtype", "q8_0")
+    on_cpu = engine_fingerprint(engine)
+    monkeypatch.setattr(engine, "device", torch.device("cuda"))
+    assert on_cpu["weights_dtype"] == "q8_0" and engine_fingerprint(engine)["weights_dtype"] == "q8_0 (torchao)"
+
+
 def test_truncated_snapshot_is_refused(engine, tmp_path):
     path = tmp_path / "p.kvsnap"
     ids = _ids(90)

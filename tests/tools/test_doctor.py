@@ -4,18 +4,21 @@ with the fix when the machine falls short (simulated where this machine cannot s
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
+import torch
 
 from flashmemory.cli import main
 from flashmemory.config import EngineConfig
 from flashmemory.engine import sizing
+from flashmemory.model import cuda_weights
 from flashmemory.tools import disk_probe
 from flashmemory.tools.doctor import checks, run_doctor
 from flashmemory.tools.doctor.checks import STATUSES
 
 NAMES = ["python", "torch", "c_compiler", "native_kernels", "ram", "swap", "numa", "cold_zone_disk", "cold_zone_iops",
-         "cuda", "pinned_memory", "windows_driver_model", "default_model"]
+         "cuda", "cuda_weights", "pinned_memory", "windows_driver_model", "default_model"]
 
 
 def test_doctor_runs_clean_on_this_machine(capsys, tmp_path):
@@ -114,3 +117,26 @@ def test_every_status_prints_in_the_text_report(status):
 
     text = DoctorReport([Check("x", status, "found", None if status in ("pass", "n/a") else "do this")], {}, {}).text()
     assert text.startswith(status.upper()) and ("fix: do this" in text) == (status in ("warn", "fail"))
+
+
+def test_cuda_weight_only_is_not_applicable_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check = checks.check_cuda_weights()
+    assert check.status == "n/a" and "no CUDA device" in check.summary and check.fix is None
+
+
+def test_cuda_weight_only_without_torchao_warns_with_the_install_command(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao now raises ImportError
+    check = checks.check_cuda_weights()
+    assert check.status == "warn" and "pip install torchao==0.18.0" in check.fix
+
+
+def test_cuda_weight_only_on_a_gpu_older_than_sm80_offers_int8_only(monkeypatch):
+    pytest.importorskip("torchao", reason="torchao is not installed: pip install torchao==0.18.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    monkeypatch.setattr(cuda_weights, "torchao_version", lambda: cuda_weights.TORCHAO_VERSION)
+    check = checks.check_cuda_weights()
+    assert check.status == "warn" and "Tesla T4 (sm 7.5)" in check.summary and "q8_0" in check.fix

@@ -27,6 +27,8 @@ class EngineSpec:
     requires_modules: tuple[str, ...] = ()  # importable modules it needs
     install_hint: str = ""  # what to install when a module is missing
     needs_cuda: bool = False
+    cuda_why: str = ""  # what needs the GPU (the n/a reason on a CPU-only host)
+    extra: str = "bench"  # the optional extra that installs requires_modules
     budgeted: bool = False  # FlashMemory under a device budget too small for an FP16 cache of the length
     in_default_set: bool = True  # run when no engine is named (False: only when named)
     # FlashMemory with about this fraction of each prompt's KV on the disk level (L2): window and warm span sized
@@ -45,6 +47,12 @@ _FM_COMMON = {"max_num_seqs": 1}
 _DISK_FRACTION = 0.5
 _FM_DISK = {"kv_cache": "tiered", "kv_precision": "mixed", "cold_zone_uncached_reads": True, **_FM_COMMON}
 PREFETCH_BASELINE_ENGINE = "fm-mixed-disk"  # the disk engine without prefetch the prefetching ones compare with
+# weights_dtype q8_0/q4_0 on a GPU (model/cuda_weights.py): fm-exact's KV, so fidelity against fm-exact is the
+# weights' alone. device="cuda": never our CPU kernels under this name (those are what --decode-only compares).
+_FM_CUDA_WEIGHTS = {"device": "cuda", "kv_cache": "contiguous", "kv_precision": "fp16", **_FM_COMMON}
+_CUDA_WEIGHTS_WHY = ("torchao's int8/int4 weight-only kernels run on a GPU; on the CPU q8_0/q4_0 are our C kernels, "
+                     "not this engine")
+_HF_OFFLOAD_WHY = "transformers' offloaded caches copy KV between GPU and host"
 
 ENGINES: tuple[EngineSpec, ...] = (
     EngineSpec("fm-exact", FLASHMEMORY, "FlashMemory, exact FP16 contiguous cache (the fidelity reference)",
@@ -68,6 +76,12 @@ ENGINES: tuple[EngineSpec, ...] = (
     EngineSpec("fm-mixed-prefetch-lru", FLASHMEMORY, "fm-mixed-disk plus the adaptive L2 prefetcher ranked by "
                "recency (LRU)", {**_FM_DISK, "prefetch_strategy": "adaptive", "prefetch_ranker": "lru"},
                in_default_set=False, disk_fraction=_DISK_FRACTION),
+    EngineSpec("fm-cuda-int8", FLASHMEMORY, "fm-exact with weights_dtype=q8_0 on CUDA: torchao int8 per-row "
+               "weight-only projections", {"weights_dtype": "q8_0", **_FM_CUDA_WEIGHTS}, ("torchao",),
+               "torchao==0.18.0", needs_cuda=True, cuda_why=_CUDA_WEIGHTS_WHY, extra="cuda"),
+    EngineSpec("fm-cuda-int4", FLASHMEMORY, "fm-exact with weights_dtype=q4_0 on CUDA: torchao int4 group-32 "
+               "(tinygemm) weight-only projections", {"weights_dtype": "q4_0", **_FM_CUDA_WEIGHTS}, ("torchao",),
+               "torchao==0.18.0", needs_cuda=True, cuda_why=_CUDA_WEIGHTS_WHY, extra="cuda"),
     EngineSpec("hf-dynamic", TRANSFORMERS, "transformers DynamicCache (model dtype)", {"cache": "dynamic"}),
     EngineSpec("hf-static", TRANSFORMERS, "transformers StaticCache (preallocated to prompt + decode)",
                {"cache": "static"}),
@@ -81,9 +95,9 @@ ENGINES: tuple[EngineSpec, ...] = (
     EngineSpec("hf-hqq-int2", TRANSFORMERS, "transformers QuantizedCache, HQQ backend, 2 bits",
                {"cache": "quantized", "backend": "hqq", "nbits": 2, "axis": 1}, ("hqq",), "hqq"),
     EngineSpec("hf-offloaded", TRANSFORMERS, "transformers DynamicCache(offloading=True)",
-               {"cache": "dynamic", "offloading": True}, needs_cuda=True),
+               {"cache": "dynamic", "offloading": True}, needs_cuda=True, cuda_why=_HF_OFFLOAD_WHY),
     EngineSpec("hf-offloaded-static", TRANSFORMERS, "transformers StaticCache(offloading=True)",
-               {"cache": "static", "offloading": True}, needs_cuda=True),
+               {"cache": "static", "offloading": True}, needs_cuda=True, cuda_why=_HF_OFFLOAD_WHY),
     *(
         EngineSpec(f"llamacpp-{kv}{'-fa' if fa else ''}", LLAMA_CPP,
                    f"llama.cpp (llama-cpp-python), {kv} KV, flash attention {'on' if fa else 'off'}",
@@ -112,14 +126,15 @@ def select_engines(names: tuple[str, ...] | list[str]) -> list[EngineSpec]:
 
 
 def unavailable_reason(spec: EngineSpec, has_gguf: bool, cuda_available: bool) -> str | None:
-    """Why this engine cannot run here ("n/a: ..."), or None when it can."""
+    """Why this engine cannot run here ("n/a: ..."), or None when it can. No GPU comes first: installing a module
+    would not make a CUDA engine run here."""
+    if spec.needs_cuda and not cuda_available:
+        return f"n/a: needs CUDA, no CUDA device here ({spec.cuda_why})"
     missing = [m for m in spec.requires_modules if not _importable(m)]
     if missing:
         if spec.family == LLAMA_CPP:
             return f"n/a: {spec.install_hint}"
-        return f"n/a: pip install {spec.install_hint} (optional extra: pip install 'flashmemory[bench]')"
-    if spec.needs_cuda and not cuda_available:
-        return "n/a: needs CUDA (transformers' offloaded caches copy KV between GPU and host; CPU-only here)"
+        return f"n/a: pip install {spec.install_hint} (optional extra: pip install 'flashmemory-runtime[{spec.extra}]')"
     if spec.family == LLAMA_CPP and not has_gguf:
         return "n/a: llama.cpp needs a GGUF model (the model given is a safetensors folder)"
     return None

@@ -251,6 +251,36 @@ def check_cuda() -> Check:
                  data=data)
 
 
+def check_cuda_weights() -> Check:
+    """weights_dtype q8_0/q4_0 on a GPU: torchao's int8 / int4 weight-only (model/cuda_weights.py)."""
+    import torch
+
+    from flashmemory.errors import ConfigError
+    from flashmemory.model import cuda_weights as cw
+
+    version = cw.torchao_version()
+    data: dict[str, Any] = {"torchao": version, "pinned": cw.TORCHAO_VERSION}
+    if not torch.cuda.is_available():
+        return Check("cuda_weights", "n/a", f"n/a: no CUDA device; weights_dtype q8_0/q4_0 run our C kernels on the "
+                     f"CPU (torchao {version or 'not installed'}; it serves them on a GPU)", data=data)
+    try:
+        cw.require_torchao()
+    except ConfigError as e:
+        return Check("cuda_weights", "warn", f"weights_dtype q8_0/q4_0 are refused on this GPU: {e}",
+                     cw.INSTALL_HINT, data)
+    capability = torch.cuda.get_device_capability()
+    name = f"{torch.cuda.get_device_name()} (sm {capability[0]}.{capability[1]})"
+    data["capability"] = f"{capability[0]}.{capability[1]}"
+    if version != cw.TORCHAO_VERSION:
+        return Check("cuda_weights", "warn", f"torchao {version} (the project pins {cw.TORCHAO_VERSION}) on {name}",
+                     f"{cw.INSTALL_HINT} (other versions' layouts are not read or tested)", data)
+    if capability < cw.INT4_MIN_CAPABILITY:
+        return Check("cuda_weights", "warn", f"torchao {version}: q8_0 -> int8 weight-only on {name}; q4_0's int4 "
+                     "tinygemm kernel needs sm 8.0", "use weights_dtype='q8_0' or 'bfloat16' on this GPU", data)
+    return Check("cuda_weights", "pass", f"torchao {version}: q8_0 -> int8 per-row, q4_0 -> int4 group-32 "
+                 f"(tinygemm) weight-only on {name}", data=data)
+
+
 def check_pinned_memory() -> Check:
     import torch
 

@@ -22,7 +22,7 @@ def test_quick_bench_measures_each_engine_or_says_why_not(tiny_llama, tmp_path, 
     out_json, charts = tmp_path / "bench.json", tmp_path / "charts"
     rc = main(["bench", "--quick", "--model", str(tiny_llama), "--text", str(text), "--lengths", str(PROMPT),
                "--threads", "1", "--engines", "fm-exact", "fm-mixed", "fm-mixed-prefetch", "hf-dynamic", "hf-offloaded",
-               "llamacpp-f16", "--json", str(out_json), "--charts-dir", str(charts)])
+               "llamacpp-f16", "fm-cuda-int4", "--json", str(out_json), "--charts-dir", str(charts)])
     out = capsys.readouterr().out
     assert rc == 0
     report = json.loads(out_json.read_text())
@@ -52,6 +52,9 @@ def test_quick_bench_measures_each_engine_or_says_why_not(tiny_llama, tmp_path, 
     reasons = report["unavailable"]
     if not torch.cuda.is_available():
         assert "needs CUDA" in reasons["hf-offloaded"]
+        # torchao's weight-only engine is reported, not skipped, nor run on the CPU's kernels under its name
+        assert reasons["fm-cuda-int4"].startswith("n/a: needs CUDA, no CUDA device")
+        assert "| fm-cuda-int4 | n/a: " in out
     assert reasons["llamacpp-f16"].startswith("n/a: ")  # a folder model; or llama-cpp-python missing
     assert "| hf-offloaded | n/a: " in out and "| llamacpp-f16 | n/a: " in out
 
@@ -65,7 +68,7 @@ def test_quick_bench_measures_each_engine_or_says_why_not(tiny_llama, tmp_path, 
 
     capacity = {c["engine"]: c for c in report["capacity"]}
     assert set(capacity) == {"fm-exact", "fm-mixed", "fm-mixed-prefetch", "hf-dynamic", "hf-offloaded",
-                             "llamacpp-f16"}
+                             "llamacpp-f16", "fm-cuda-int4"}
     assert capacity["hf-dynamic"]["bytes_per_token"] == 2 * FP16_TOKEN_BYTES
     assert report["settings"]["omp_wait_policy"] and report["settings"]["command_settings"]["threads"] == 1
 

@@ -69,6 +69,22 @@ def test_every_missing_peer_says_what_to_install_or_what_it_needs(monkeypatch):
     assert "needs a GGUF model" in unavailable_reason(by_name["llamacpp-f16"], False, False)
 
 
+def test_cuda_weight_only_engines_are_na_without_a_gpu_and_name_torchao_on_one(monkeypatch):
+    """weights_dtype q8_0/q4_0 through torchao: reported n/a on a CPU-only host (never run there on the CPU's
+    kernels under their name); on a GPU without torchao, the install command."""
+    by_name = {e.name: e for e in ENGINES}
+    for name, weights_dtype in (("fm-cuda-int8", "q8_0"), ("fm-cuda-int4", "q4_0")):
+        spec = by_name[name]
+        assert spec.settings["weights_dtype"] == weights_dtype and spec.settings["device"] == "cuda"
+        assert spec in select_engines([])
+        assert unavailable_reason(spec, True, cuda_available=False).startswith("n/a: needs CUDA, no CUDA device")
+        monkeypatch.setattr(engines_module, "_importable", lambda module: False)
+        assert "pip install torchao==0.18.0" in unavailable_reason(spec, True, cuda_available=True)
+        assert "flashmemory-runtime[cuda]" in unavailable_reason(spec, True, cuda_available=True)
+        monkeypatch.setattr(engines_module, "_importable", lambda module: True)
+        assert unavailable_reason(spec, True, cuda_available=True) is None
+
+
 def test_disk_engines_put_about_half_of_each_prompt_on_l2_with_the_default_window_when_it_fits():
     by_name = {e.name: e for e in ENGINES}
     disk, prefetch = by_name["fm-mixed-disk"], by_name["fm-mixed-prefetch"]
