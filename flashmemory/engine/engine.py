@@ -83,7 +83,12 @@ class FlashMemoryEngine:
         self.device_plan = device_plan_for(self.config, self.model_config, self.max_seq_len, self.dtype,
                                            self.weights_bytes)
         return build_kv_cache(self.config, self.model_config, self.device_plan, self.max_seq_len, self.device,
-                              self.dtype, f"{self.model_path}:{self.model_config}")
+                              self.dtype, self._kv_fingerprint_source())
+
+    def _kv_fingerprint_source(self) -> str:
+        """What this engine's KV depends on besides the tokens: the model file and config, the activation dtype and
+        how the weights are kept (the same prompt's KV under other weights or dtype must not be reused)."""
+        return f"{self.model_path}:{self.model_config}:{self.dtype}:weights={self.config.weights_dtype}"
 
     # ---- the engine core ---------------------------------------------------------------------------------------
 

@@ -47,6 +47,18 @@ def test_another_model_precision_or_block_size_discards_the_old_entries_with_one
     other.close()
 
 
+@pytest.mark.parametrize("other", [{"weights_dtype": "bfloat16"}, {"dtype": "float64"}])
+def test_kv_computed_under_other_weights_or_dtype_is_not_reused(tiny_llama, tmp_path, caplog, other):
+    first = _engine(tiny_llama, tmp_path)
+    first.generate(DOCUMENT * 2, max_new_tokens=4)
+    first.close()
+    with caplog.at_level(logging.WARNING, logger="flashmemory.kvcache.prefix_store"):
+        second = _engine(tiny_llama, tmp_path, **other)
+    assert [r for r in caplog.records if "discarding" in r.getMessage()]
+    assert second.stats()["prefix_cache_blocks"] == 0
+    second.close()
+
+
 def test_a_saved_session_keeps_its_tokens_when_the_settings_change(tiny_llama, tmp_path):
     first = _engine(tiny_llama, tmp_path)
     first.chat([{"role": "user", "content": DOCUMENT}], max_new_tokens=4, ignore_eos=True)
