@@ -70,8 +70,8 @@ class EngineConfig:
         unit="tokens", ge=0)
     selection_box_tokens: int = setting(
         4, "keys per min/max box of a block's selection digest: a block scores as its best box (a tighter bound "
-        "than one box over the block; digest memory grows with the boxes); 0 = one box per block; must divide "
-        "block_size", unit="tokens", ge=0)
+        "than one box over the block; the digests, kept in host memory, grow with the boxes: 4-key boxes take about "
+        "a quarter of the FP16 KV's bytes); 0 = one box per block; must divide block_size", unit="tokens", ge=0)
     selection_prompt_tokens: int = setting(
         128, "per layer and KV head, tokens of L1 and of L2 blocks that the prompt's last tokens point to, read at "
         "every decode step of the answer (within the budget; 0 = off)", unit="tokens", ge=0)

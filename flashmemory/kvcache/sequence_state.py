@@ -38,11 +38,13 @@ class SequenceKV:
 
     def record_digest(self, index: int, digest: torch.Tensor) -> None:
         """Keep block `index`'s digest [num_layers, num_kv_heads, width] (in DIGEST_DTYPE), growing the store by
-        doubling."""
+        doubling. The store is in host memory whatever the compute device: digests grow with the context (about
+        a quarter of the FP16 KV's bytes with 4-key boxes) and only score L1 / L2 blocks, which live on the host
+        too, so on a GPU they would take the device memory the hierarchy exists to save."""
         if self.digest is None or self.digest.shape[2] <= index:
             capacity = max(64, 2 * (index + 1))
             num_layers, heads, width = digest.shape
-            grown = torch.empty((num_layers, heads, capacity, width), dtype=DIGEST_DTYPE, device=digest.device)
+            grown = torch.empty((num_layers, heads, capacity, width), dtype=DIGEST_DTYPE, device="cpu")
             if self.digest is not None:
                 grown[:, :, : self.digest.shape[2]] = self.digest
             self.digest = grown

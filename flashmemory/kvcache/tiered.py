@@ -58,7 +58,7 @@ class TieredKVCache(KVCache):
         # Objects told of every query-aware choice (trace recorder, prefetcher); none = no scoring overhead.
         self.choice_observers: list[ChoiceObserver] = []
         self.reader = BlockReader(cfg, self.blocks, self.levels, self.codecs, self.choice_observers,
-                                  native_selection(cfg.device))
+                                  native_selection(torch.device("cpu")))  # digests live on the host
         self.attention: AttentionBackend = select_backend(cfg.attention_backend, cfg)
         # The newest tokens of each sequence, unquantized in device memory: the still-filling block and, with
         # recent_fp16_tokens, the last full blocks and the sink blocks (attended here, not through INT4 L0 copies).

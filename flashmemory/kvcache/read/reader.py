@@ -120,10 +120,12 @@ class BlockReader:
         return max(1, min(num_candidates, max(wanted, floor)))
 
     def choose(self, level: Level, plan: LevelPlan, q: torch.Tensor, layer: int) -> torch.Tensor:
-        """Query-aware choice of a level's blocks for one decode step: [num_kv_heads, budget] positions."""
+        """Query-aware choice of a level's blocks for one decode step: [num_kv_heads, budget] positions on the
+        compute device. Scored where the digests are (host memory, sequence_state.py): on a GPU the query comes to
+        the host and the choice goes back."""
         started = time.perf_counter()
         try:
-            return self._choose(level, plan, q, layer)
+            return self._choose(level, plan, q.to(plan.digest.device), layer).to(q.device)
         finally:
             self.selection_seconds += time.perf_counter() - started
 
@@ -159,7 +161,7 @@ class BlockReader:
         k = self.cfg.selection_prompt_tokens // self.cfg.block_size
         if k == 0 or plan.digest is None:
             return None
-        return prompt_hints(q, plan.digest[layer], _index_tensor(plan), k)
+        return prompt_hints(q.to(plan.digest.device), plan.digest[layer], _index_tensor(plan), k)
 
     def gather(self, level: Level, plan: LevelPlan, chosen: torch.Tensor | None, layer: int, dtype: torch.dtype,
                out: torch.Tensor | None = None) -> torch.Tensor:
