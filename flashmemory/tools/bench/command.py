@@ -31,7 +31,7 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
                    help="teacher-forced tokens scored at the longest length against the exact cache (128; 0 = off)")
     p.add_argument("--budget-mb", type=float, default=None,
                    help="fixed device-KV budget in MiB for the longest-context column (default: an FP16 cache of "
-                   "2048 tokens)")
+                   "2048 tokens); with --decode-only, the budget fm-mixed-budget runs under")
     p.add_argument("--threads", type=int, default=None, help="CPU threads of every engine (default: the cores "
                    "available, at most 8)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -107,6 +107,21 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_budget(args: argparse.Namespace, checkpoint, max_seq_len: int):
+    """With --budget-mb: the settings of a budgeted FlashMemory engine under that device-KV budget (its L0 arena,
+    window and max_gpu_memory_mb for the weights as this engine holds them), for sequences of max_seq_len."""
+    if args.budget_mb is None:
+        return None
+    import torch
+
+    from flashmemory.model.loader import weights_bytes
+    from flashmemory.tools.bench.device_budget import knobs_for_kv_budget
+
+    weights = weights_bytes(checkpoint, "auto", torch.float32)
+    return lambda base: knobs_for_kv_budget(checkpoint.config, "float32", int(args.budget_mb * 2**20), base,
+                                            max_seq_len, weights).knobs
+
+
 def _run_decode_compare(args: argparse.Namespace, parse_length) -> int:
     import json
     import os
@@ -139,7 +154,8 @@ def _run_decode_compare(args: argparse.Namespace, parse_length) -> int:
         ids = ids + ids
     threads = args.threads or min(8, len(os.sched_getaffinity(0)))
     if args.engines:
-        engines = named_engines(args.engines, args.fm_omp_wait_policy)
+        longest = max(lengths) + args.rounds * args.steps + 16
+        engines = named_engines(args.engines, args.fm_omp_wait_policy, _kv_budget(args, checkpoint, longest))
     else:
         engines = (snapshot_engines(args.fm_omp_wait_policy, threads) if snapshot
                    else default_engines(args.fm_omp_wait_policy))

@@ -75,18 +75,24 @@ def snapshot_engines(fm_wait_policy: str | None, threads: int) -> tuple[DecodeEn
     return engines
 
 
-def named_engines(names: list[str], fm_wait_policy: str | None) -> tuple[DecodeEngine, ...]:
+def named_engines(names: list[str], fm_wait_policy: str | None,
+                  budget: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> tuple[DecodeEngine, ...]:
     """Engines of engines.py by name (`--engines`) as the decode comparison runs them: FlashMemory's KV
-    configurations, llama.cpp with f16 or q8_0 KV, transformers' DynamicCache; ConfigError for the others."""
+    configurations (fm-mixed-budget with `budget`: its settings to the settings under the device-KV budget),
+    llama.cpp with f16 or q8_0 KV, transformers' DynamicCache; ConfigError for the others."""
     out = []
     for spec in select_engines(names):
         settings = dict(spec.settings)
-        runnable = (spec.family == FLASHMEMORY and not spec.budgeted and not spec.disk_fraction
+        if spec.budgeted and spec.family == FLASHMEMORY:
+            if budget is None:
+                raise ConfigError(f"{spec.name} runs under a device-KV budget: pass --budget-mb MiB")
+            settings = budget(settings)
+        runnable = (spec.family == FLASHMEMORY and not spec.disk_fraction
                     or spec.family == LLAMA_CPP and settings["kv_type"] in ("f16", "q8_0")
                     or spec.family == TRANSFORMERS and settings == {"cache": "dynamic"})
         if not runnable:
-            raise ConfigError(f"--decode-only does not run {spec.name}; it runs FlashMemory's unbudgeted KV "
-                              "configurations, llamacpp-f16(-fa), llamacpp-q8_0-fa and hf-dynamic")
+            raise ConfigError(f"--decode-only does not run {spec.name}; it runs FlashMemory's KV configurations "
+                              "without a disk fraction, llamacpp-f16(-fa), llamacpp-q8_0-fa and hf-dynamic")
         out.append(DecodeEngine(spec.name, spec.family, settings, fm_wait_policy if spec.family == FLASHMEMORY
                                 else None))
     return tuple(out)

@@ -31,11 +31,12 @@ class BudgetedKnobs:
 
 
 def knobs_for_kv_budget(model_cfg: ModelConfig, dtype: str, kv_budget_bytes: int, base: dict[str, Any],
-                        max_seq_len: int | None = None) -> BudgetedKnobs:
+                        max_seq_len: int | None = None, weights_bytes: int | None = None) -> BudgetedKnobs:
     """The largest active_window (at most the engine default) whose L0 fits kv_budget_bytes, and the
     max_gpu_memory_mb that gives the engine exactly that much room for KV (rounded down to whole MiB)."""
     torch_dtype = getattr(torch, dtype)
-    weights = model_cfg.num_parameters() * torch.empty((), dtype=torch_dtype).element_size()
+    # The weights as the engine will hold them (a GGUF's block formats at their size), else dense in dtype.
+    weights = weights_bytes or model_cfg.num_parameters() * torch.empty((), dtype=torch_dtype).element_size()
     first = EngineConfig(**{**base, "kv_cache": "tiered", "max_gpu_memory_mb": None})
     block_size = first.resolve_block_size(max_seq_len or model_cfg.max_context_tokens)
     # The rows of newest FP16 tokens first as configured, then (a budget too small for them) without.

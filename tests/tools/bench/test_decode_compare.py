@@ -103,6 +103,33 @@ def test_an_engine_the_decode_comparison_cannot_run_is_refused_by_name():
         named_engines(["hf-static"], None)
 
 
+def test_the_budgeted_engine_runs_under_the_settings_of_the_budget_and_asks_for_one():
+    from flashmemory.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="pass --budget-mb"):
+        named_engines(["fm-mixed-budget"], None)
+    (engine,) = named_engines(["fm-mixed-budget"], "PASSIVE", lambda base: {**base, "max_gpu_memory_mb": 700})
+    assert engine.settings["max_gpu_memory_mb"] == 700 and engine.settings["kv_precision"] == "mixed"
+
+
+def test_decode_only_budget_settings_hold_the_l0_arena_under_the_budget(tmp_path):
+    """`bench --decode-only --budget-mb`: the knobs count the weights as the engine keeps them (a GGUF's blocks)."""
+    import argparse
+
+    from flashmemory import FlashMemoryEngine
+    from flashmemory.model.loader import open_checkpoint
+    from flashmemory.tools.bench.command import _kv_budget
+
+    checkpoint = open_checkpoint(None)  # the embedded SmolLM2 GGUF
+    knobs = _kv_budget(argparse.Namespace(budget_mb=8.0), checkpoint, 600)({"kv_precision": "mixed",
+                                                                            "max_num_seqs": 1})
+    engine = FlashMemoryEngine(num_threads=1, max_seq_len=600, **knobs)
+    try:
+        assert engine.stats()["L0_bytes_capacity"] <= 8 * 2**20 and knobs["active_window"] >= 256
+    finally:
+        engine.close()
+
+
 def test_a_snapshot_of_other_tokens_is_refused_before_any_worker_starts(tiny_llama, tmp_path):
     import pytest
 
