@@ -174,12 +174,12 @@ def test_llama_cpps_own_state_is_reencoded_byte_for_byte_and_restores_its_logits
     assert np.abs(_decode(llm, ids) - real).max() == 0.0
 
 
-@pytest.mark.slow
-def test_our_snapshot_restored_into_llama_cpp_decodes_as_its_own_prefill(qwen_llm, tmp_path):
+def _our_snapshot_against_its_prefill(path, llm, ids: list[int], tmp_path) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's logits over the next steps from its own prefill, then from our exact engine's snapshot of the
+    same tokens restored into it: (real, restored)."""
     from flashmemory.engine.engine import FlashMemoryEngine
     from flashmemory.tools.bench.llamacpp_state import read_snapshot_kv
 
-    path, llm, ids = qwen_llm
     engine = FlashMemoryEngine(model_path=str(path), kv_cache="contiguous", kv_precision="fp16", num_threads=2)
     try:
         engine.score_tokens(ids[:N_TOKENS], num_teacher_forced=1, kv_snapshot=tmp_path / "s.kvsnap")
@@ -191,7 +191,12 @@ def test_our_snapshot_restored_into_llama_cpp_decodes_as_its_own_prefill(qwen_ll
     llm.eval(ids[:N_TOKENS - 1])
     real = _decode(llm, ids)
     restore_into(llm, snap_ids, keys, values)
-    restored = _decode(llm, ids)
+    return real, _decode(llm, ids)
+
+
+@pytest.mark.slow
+def test_our_snapshot_restored_into_llama_cpp_decodes_as_its_own_prefill(qwen_llm, tmp_path):
+    real, restored = _our_snapshot_against_its_prefill(*qwen_llm, tmp_path)
     assert np.abs(restored - real).max() < LOGITS_ATOL
     assert (restored.argmax(1) == real.argmax(1)).all()
 
@@ -236,21 +241,7 @@ def test_llama_cpps_own_q8_0_state_is_reencoded_byte_for_byte_and_restores_its_l
 
 @pytest.mark.slow
 def test_our_snapshot_restored_into_a_q8_0_cache_decodes_as_its_own_prefill(qwen_llm_q8_0, tmp_path):
-    from flashmemory.engine.engine import FlashMemoryEngine
-    from flashmemory.tools.bench.llamacpp_state import read_snapshot_kv
-
-    path, llm, ids = qwen_llm_q8_0
-    engine = FlashMemoryEngine(model_path=str(path), kv_cache="contiguous", kv_precision="fp16", num_threads=2)
-    try:
-        engine.score_tokens(ids[:N_TOKENS], num_teacher_forced=1, kv_snapshot=tmp_path / "s.kvsnap")
-    finally:
-        engine.close()
-    snap_ids, keys, values = read_snapshot_kv(tmp_path / "s.kvsnap", N_TOKENS - 1)
-    llm.reset()
-    llm.eval(ids[:N_TOKENS - 1])
-    real = _decode(llm, ids)
-    restore_into(llm, snap_ids, keys, values)
-    restored = _decode(llm, ids)
+    real, restored = _our_snapshot_against_its_prefill(*qwen_llm_q8_0, tmp_path)
     assert np.abs(restored - real).max() < Q8_0_LOGITS_ATOL
     assert (restored.argmax(1) == real.argmax(1)).all()
 
