@@ -1,4 +1,6 @@
-"""Tokenizer and chat template through transformers, for safetensors folders and GGUF files alike."""
+"""Tokenizer and chat template for safetensors folders and GGUF files alike: read with `tokenizers` and jinja2
+(fast_tokenizer.py) where the folder has a tokenizer.json, through transformers otherwise (and to convert a GGUF's
+vocabulary once into such a folder)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from flashmemory.errors import ConfigError, ModelNotFoundError
+from flashmemory.model.fast_tokenizer import FastTokenizer, TemplateUnsupported
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +46,21 @@ def _build_from_gguf(gguf_path: Path):
     return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
-def _load_gguf_tokenizer(gguf_path: Path):
+def _load_folder(folder: Path):
+    """The folder's tokenizer: the lean reader where it has a tokenizer.json, transformers' otherwise."""
+    if FastTokenizer.supports(folder):
+        return FastTokenizer(folder)
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _load_gguf_tokenizer(gguf_path: Path):
     # Building a tokenizer from GGUF metadata takes seconds; keep the converted copy keyed by the file's fingerprint.
     cached = cache_root() / "tokenizers" / file_fingerprint(gguf_path)
     if (cached / "tokenizer_config.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(cached))
+            return _load_folder(cached)
         except Exception as e:  # noqa: BLE001 - any failure of a cached copy means: rebuild it
             logger.warning("cached tokenizer at %s is unusable (%s); rebuilding it", cached, e)
             shutil.rmtree(cached, ignore_errors=True)
@@ -69,31 +79,30 @@ def _load_gguf_tokenizer(gguf_path: Path):
     return tok
 
 
-def end_of_generation_ids(hf_tokenizer: Any) -> list[int]:
+def end_of_generation_ids(backend: Any) -> list[int]:
     """Ids of the special (added) tokens in END_OF_GENERATION_TOKENS that this vocabulary has."""
-    added = hf_tokenizer.get_added_vocab()  # {text: id}; ordinary BPE pieces never match
+    added = backend.get_added_vocab()  # {text: id}; ordinary BPE pieces never match
     return [added[text] for text in END_OF_GENERATION_TOKENS if text in added]
 
 
 class Tokenizer:
-    """Owns a transformers tokenizer: encode, decode, chat template, end-of-sequence ids."""
+    """Owns the model's tokenizer (the lean reader or transformers'): encode, decode, chat template, end ids."""
 
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int]) -> None:
-        self.hf = hf_tokenizer
+    def __init__(self, backend: Any, eos_token_ids: list[int], path: Path | None = None) -> None:
+        self.backend = backend
+        self.path = path  # the checkpoint, for a transformers tokenizer made on demand (`hf`)
         ids = set(eos_token_ids)
-        if hf_tokenizer.eos_token_id is not None:
-            ids.add(int(hf_tokenizer.eos_token_id))
+        if backend.eos_token_id is not None:
+            ids.add(int(backend.eos_token_id))
         self.eos_token_ids = frozenset(ids)
 
     @classmethod
     def from_checkpoint(cls, path: Path, eos_token_ids: list[int]) -> "Tokenizer":
-        from transformers import AutoTokenizer
-
         if path.is_file():
-            hf = _load_gguf_tokenizer(path)
-            return cls(hf, [*eos_token_ids, *end_of_generation_ids(hf)])
+            backend = _load_gguf_tokenizer(path)
+            return cls(backend, [*eos_token_ids, *end_of_generation_ids(backend)], path)
         try:
-            return cls(AutoTokenizer.from_pretrained(str(path)), eos_token_ids)
+            return cls(_load_folder(path), eos_token_ids, path)
         except (OSError, ValueError) as e:
             raise ModelNotFoundError(
                 f"{path} has no usable tokenizer ({e}); the folder needs tokenizer.json or tokenizer.model "
@@ -101,18 +110,38 @@ class Tokenizer:
             ) from e
 
     @property
+    def hf(self) -> Any:
+        """The same tokenizer as transformers' object (loaded on first use: exporting a checkpoint, a chat
+        template the lean reader cannot render)."""
+        if not isinstance(self.backend, FastTokenizer):
+            return self.backend
+        if "_hf" not in self.__dict__:
+            from transformers import AutoTokenizer
+
+            self.__dict__["_hf"] = AutoTokenizer.from_pretrained(str(self.backend.folder))
+        return self.__dict__["_hf"]
+
+    @property
     def vocab_size(self) -> int:
-        return len(self.hf)
+        return len(self.backend)
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
+        return bool(getattr(self.backend, "chat_template", None))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=True)
+        return self.backend.decode(token_ids, skip_special_tokens=True)
+
+    def chat_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat template rendered to text (transformers renders it where the lean reader cannot)."""
+        try:
+            return self.backend.apply_chat_template(messages, tokenize=False,
+                                                    add_generation_prompt=add_generation_prompt)
+        except TemplateUnsupported:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         if not self.has_chat_template:
@@ -120,7 +149,7 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ConfigError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.chat_text(messages, add_generation_prompt)
         # The template already wrote any BOS it wants: don't add special tokens twice.
         return self.encode(text, add_special_tokens=False)
 

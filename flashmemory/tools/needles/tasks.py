@@ -151,8 +151,7 @@ class TrialBuilder:
         if not self.tokenizer.has_chat_template:
             return [], "\n"
         marker = "\x00NEEDLE-CONTENT\x00"
-        full = self.tokenizer.hf.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                                     add_generation_prompt=True)
+        full = self.tokenizer.chat_text([{"role": "user", "content": marker}], add_generation_prompt=True)
         head, _, tail = full.partition(marker)
         return self.tokenizer.encode(head, add_special_tokens=False), tail
 
