@@ -76,7 +76,8 @@ def _load_gguf_tokenizer(gguf_path: Path):
         logger.warning("could not cache the tokenizer in %s: %s", cached, e)
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
-    return tok
+        return tok
+    return _load_folder(cached)  # the same reader as every later start, from the first one on
 
 
 def end_of_generation_ids(backend: Any) -> list[int]:

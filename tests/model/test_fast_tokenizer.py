@@ -64,8 +64,12 @@ def test_a_tiny_folder_with_tokenizer_json_matches_transformers(tiny_llama):
     _same(*_pair(tiny_llama))
 
 
-def test_the_engine_starts_and_chats_without_importing_transformers(smollm2_path, tmp_path):
+def test_the_engine_starts_and_chats_without_importing_transformers(smollm2_path, tmp_path, monkeypatch):
     import subprocess
+
+    monkeypatch.setenv("FLASHMEMORY_CACHE_DIR", str(tmp_path))  # a fresh cache: the first start builds it
+    first = Tokenizer.from_checkpoint(smollm2_path, [])
+    assert isinstance(first.backend, FastTokenizer)  # read back from the folder it just wrote
 
     code = ("import sys\nfrom flashmemory import FlashMemoryEngine\ne = FlashMemoryEngine(num_threads=1)\n"
             "ids = e.tokenizer.apply_chat_template([{'role': 'user', 'content': 'Hi'}])\n"
