@@ -78,10 +78,7 @@ class LlamaCppStepper:
         from flashmemory.tools.bench.llamacpp_state import read_snapshot_kv, restore_into
 
         ids = context_ids[:num_tokens]
-        snap_ids, keys, values = read_snapshot_kv(snapshot, num_tokens)
-        if snap_ids != ids:
-            raise KVSnapshotError(f"{snapshot} holds the KV of other tokens than the benchmark's; pass the --text "
-                                  "the snapshot was made from")
+        _, keys, values = read_snapshot_kv(snapshot, num_tokens, expected_ids=ids)
         restore_into(self.llm, ids, keys, values)
 
     def close(self) -> None:
@@ -100,9 +97,7 @@ class FlashMemoryStepper:
         self._logits = None  # [1, vocab] of the latest feed
 
     def last_logprobs(self) -> np.ndarray:
-        import torch
-
-        return torch.log_softmax(self._logits[-1].double(), dim=-1).float().numpy()
+        return log_softmax(self._logits[-1].float().cpu().numpy())
 
     def kv_bytes(self) -> dict[str, int]:
         """The cache's own counters as the sequence stands (fm_worker.kv_bytes: the L0 arena is the device's)."""

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from flashmemory.errors import ConfigError, KVSnapshotError
+from flashmemory.tools.bench.decode_fidelity import log_softmax
 
 
 class TransformersStepper:
@@ -61,9 +62,7 @@ class TransformersStepper:
         self._logits = self._run(self.cache, ids)
 
     def last_logprobs(self) -> np.ndarray:
-        import torch
-
-        return torch.log_softmax(self._logits.double(), dim=-1).float().numpy()
+        return log_softmax(self._logits.float().cpu().numpy())
 
     def restore(self, snapshot: Path, context_ids: list[int], num_tokens: int) -> None:
         """The snapshot's KV of the first num_tokens, layer by layer into the DynamicCache at positions 0..n-1: the
@@ -72,10 +71,8 @@ class TransformersStepper:
 
         from flashmemory.tools.bench.llamacpp_state import read_snapshot_kv
 
-        snap_ids, keys, values = read_snapshot_kv(snapshot, num_tokens)  # [num_layers, num_kv_heads, n, head_dim]
-        if snap_ids != context_ids[:num_tokens]:
-            raise KVSnapshotError(f"{snapshot} holds the KV of other tokens than the benchmark's; pass the --text "
-                                  "the snapshot was made from")
+        # [num_layers, num_kv_heads, n, head_dim]
+        _, keys, values = read_snapshot_kv(snapshot, num_tokens, expected_ids=context_ids[:num_tokens])
         config = self.model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         expected = (config.num_hidden_layers, config.num_key_value_heads, num_tokens, head_dim)

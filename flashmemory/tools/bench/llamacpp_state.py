@@ -157,9 +157,11 @@ def decode_state(data: bytes | np.ndarray) -> SequenceState:
     return SequenceState(meta[:, 0].copy(), np.stack(keys), np.stack(values), bool(v_trans), seq_id)
 
 
-def read_snapshot_kv(path: Path, num_tokens: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+def read_snapshot_kv(path: Path, num_tokens: int,
+                     expected_ids: list[int] | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
     """Token ids and keys, values [num_layers, num_kv_heads, num_tokens, head_dim] (float16) of a snapshot's first
-    num_tokens, without torch. The caller has checked the file whole (kvcache/snapshot.py SnapshotReader)."""
+    num_tokens, without torch. The caller has checked the file whole (kvcache/snapshot.py SnapshotReader); with
+    expected_ids, a snapshot of other tokens is refused (a benchmark restoring it for its own text)."""
     header = read_header(path)
     if header["dtype"] != "float16":
         raise KVSnapshotError(f"{path} holds {header['dtype']} KV; llama.cpp restores an f16 cache from an "
@@ -171,6 +173,9 @@ def read_snapshot_kv(path: Path, num_tokens: int) -> tuple[list[int], np.ndarray
         f.seek(header["_offset"])
         ids = np.frombuffer(f.read(total * 8), dtype=np.int64)[:num_tokens].tolist()
         payload = np.fromfile(f, dtype=np.float16, count=2 * num_layers * heads * total * head_dim)
+    if expected_ids is not None and ids != expected_ids:
+        raise KVSnapshotError(f"{path} holds the KV of other tokens than the benchmark's; pass the --text the "
+                              "snapshot was made from")
     kv = payload.reshape(2, num_layers, heads, total, head_dim)[:, :, :, :num_tokens]
     return ids, kv[0], kv[1]
 

@@ -96,6 +96,9 @@ def test_a_snapshots_first_tokens_are_read_without_torch_in_our_layout(tmp_path)
     ids, keys, values = read_snapshot_kv(tmp_path / "s.kvsnap", 4)
     assert ids == [10, 11, 12, 13]
     assert np.array_equal(keys, kv[0, :, :, :4].numpy()) and np.array_equal(values, kv[1, :, :, :4].numpy())
+    assert read_snapshot_kv(tmp_path / "s.kvsnap", 4, expected_ids=[10, 11, 12, 13])[0] == ids
+    with pytest.raises(KVSnapshotError, match="other tokens than the benchmark's; pass the --text"):
+        read_snapshot_kv(tmp_path / "s.kvsnap", 4, expected_ids=[10, 11, 12, 99])
 
 
 def test_a_snapshot_too_short_or_not_fp16_or_not_a_snapshot_is_refused(tmp_path):
@@ -160,14 +163,19 @@ def _ours(state: SequenceState, heads: int) -> np.ndarray:
     return state.reshape(num_layers, num_cells, heads, width // heads).transpose(0, 2, 1, 3)
 
 
-def test_llama_cpps_own_state_is_reencoded_byte_for_byte_and_restores_its_logits(qwen_llm):
+def _own_state(llm, ids: list[int]) -> tuple[bytes, SequenceState]:
+    """llama.cpp's own sequence state after prefilling the first N_TOKENS - 1 ids: its bytes and their decoding."""
     from flashmemory.tools.bench.llamacpp_state import sequence_bytes
 
-    _, llm, ids = qwen_llm
     llm.reset()
     llm.eval(ids[:N_TOKENS - 1])
     own = sequence_bytes(llm)
-    state = decode_state(own)
+    return own, decode_state(own)
+
+
+def test_llama_cpps_own_state_is_reencoded_byte_for_byte_and_restores_its_logits(qwen_llm):
+    _, llm, ids = qwen_llm
+    own, state = _own_state(llm, ids)
     assert encode_state(state).tobytes() == own
     real = _decode(llm, ids)
     restore_into(llm, ids[:N_TOKENS - 1], _ours(state.keys, 2), _ours(state.values, 2))
@@ -224,13 +232,10 @@ def qwen_llm_q8_0(qwen_llm):
 
 def test_llama_cpps_own_q8_0_state_is_reencoded_byte_for_byte_and_restores_its_logits(qwen_llm_q8_0):
     from flashmemory.tools.bench.ggml_rows import Q8_0_BLOCK
-    from flashmemory.tools.bench.llamacpp_state import sequence_bytes, write_state
+    from flashmemory.tools.bench.llamacpp_state import write_state
 
     _, llm, ids = qwen_llm_q8_0
-    llm.reset()
-    llm.eval(ids[:N_TOKENS - 1])
-    own = sequence_bytes(llm)
-    state = decode_state(own)
+    own, state = _own_state(llm, ids)
     assert state.keys.dtype == Q8_0_BLOCK and state.values.dtype == Q8_0_BLOCK and not state.v_trans
     assert state.keys.shape == (24, N_TOKENS - 1, 128 // 32)
     assert encode_state(state).tobytes() == own
