@@ -12,12 +12,16 @@ and the bulk of a group rounds coarsely. The stored format is the same as plain 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
+from types import MappingProxyType
 
 import torch
 
 # Every codec turns keys and values [..., tokens, head_dim] into named parts and back.
 Parts = dict[str, torch.Tensor]
+RecordLayout = Mapping[str, tuple[int, int, tuple[int, ...], torch.dtype]]  # part -> (offset, size, shape, dtype)
 
 QUANT_RANGES = ("mse", "mse-values", "minmax")  # mse-values: values "mse", keys min/max
 # Shrink factors of a group's min/max range tried by the "mse" range (1.0 = min/max itself).
@@ -71,16 +75,12 @@ class Codec:
             "v_zero": ((*lead, tokens, vg), torch.float16),
         }
 
-    def record_layout(self, tokens: int, head_dim: int) -> dict[str, tuple[int, int, tuple[int, ...], torch.dtype]]:
+    def record_layout(self, tokens: int, head_dim: int) -> RecordLayout:
         """One KV head's block as a record: each part's (byte offset, byte size, shape, dtype), back to back in
-        part order (the memory pools' records, and the layout the native decode kernel folds)."""
-        layout = {}
-        offset = 0
-        for name, (shape, dtype) in self.part_shapes((), tokens, head_dim).items():
-            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            layout[name] = (offset, size, shape, dtype)
-            offset += size
-        return layout
+        part order (the memory pools' records, and the layout the native decode kernel folds); its size is
+        nbytes((), tokens, head_dim). Computed once per codec and geometry (the disk level's decode reads ask
+        for it at every layer)."""
+        return _record_layout(self, tokens, head_dim)
 
     def nbytes(self, lead: tuple[int, ...], tokens: int, head_dim: int) -> int:
         total = 0
@@ -230,3 +230,14 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = 8 // bits
     mask = (1 << bits) - 1
     return torch.cat([(packed >> (bits * i)) & mask for i in range(per_byte)], dim=-1)
+
+
+@cache
+def _record_layout(codec: Codec, tokens: int, head_dim: int) -> RecordLayout:
+    layout = {}
+    offset = 0
+    for name, (shape, dtype) in codec.part_shapes((), tokens, head_dim).items():
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        layout[name] = (offset, size, shape, dtype)
+        offset += size
+    return MappingProxyType(layout)  # shared by every caller: read-only

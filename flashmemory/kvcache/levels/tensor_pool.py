@@ -37,12 +37,11 @@ class TensorPool:
         self.device = device
         # name -> (byte offset in the record, byte size, shape without the lead dims, dtype)
         self.layout = codec.record_layout(block_size, head_dim)
-        offset = sum(size for _, size, _, _ in self.layout.values())
-        self.record_bytes = offset
-        self.storage = torch.empty((num_layers, num_kv_heads, num_slots, offset), dtype=torch.uint8, device=device,
-                                   pin_memory=pin_memory)
-        self.bytes_per_slot = num_layers * num_kv_heads * offset
-        self.segment_bytes = num_kv_heads * offset
+        self.record_bytes = codec.nbytes((), block_size, head_dim)
+        self.storage = torch.empty((num_layers, num_kv_heads, num_slots, self.record_bytes), dtype=torch.uint8,
+                                   device=device, pin_memory=pin_memory)
+        self.bytes_per_slot = num_layers * num_kv_heads * self.record_bytes
+        self.segment_bytes = num_kv_heads * self.record_bytes
         # Bumped by put() before it writes a slot: a copy of a slot's bytes (device staging) is served only while
         # the slot's generation is the one the copy was issued under. On the CPU whatever the pool's device.
         self.generation = torch.zeros(num_slots, dtype=torch.int64)

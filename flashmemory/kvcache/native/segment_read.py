@@ -25,13 +25,12 @@ class SegmentReadFailure:
 
 
 def native_read_segments(fd: int, offsets: np.ndarray, segment_bytes: int, expected_crcs: np.ndarray,
-                         out: np.ndarray) -> SegmentReadFailure | None | bool:
+                         out: np.ndarray) -> SegmentReadFailure | None:
     """Read len(offsets) segments of segment_bytes into out [n, segment_bytes] uint8 and check each CRC-32.
-    Returns None when all are good, the first failure otherwise, and False when the kernel is not available
-    (the caller reads segment by segment)."""
+    Returns None when all are good, the first failure otherwise. Only plugged in where the kernels are built
+    (use_native_reads)."""
     lib = library()
-    if lib is None:
-        return False
+    assert lib is not None, "the native kernels are not built: read segment by segment"
     n = len(offsets)
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     expected_crcs = np.ascontiguousarray(expected_crcs, dtype=np.uint32)

@@ -205,8 +205,8 @@ class BlockReader:
         heads, bs, head_dim = self.cfg.num_kv_heads, self.cfg.block_size, self.cfg.head_dim
         needed, pos = torch.unique(chosen, sorted=True, return_inverse=True)
         parts = self._read_layer(level, plan, needed, layer, decoding=True)  # {name: [heads, n, ...]}
-        layout = self.codecs[level].record_layout(bs, head_dim)
-        record_bytes = sum(size for _, size, _, _ in layout.values())
+        codec = self.codecs[level]
+        layout, record_bytes = codec.record_layout(bs, head_dim), codec.nbytes((), bs, head_dim)
         n = needed.numel()
         out = torch.empty((heads, n, record_bytes), dtype=torch.uint8)
         for name, (offset, size, _, _) in layout.items():
