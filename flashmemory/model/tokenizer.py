@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import tempfile
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -110,17 +111,15 @@ class Tokenizer:
                 "with tokenizer_config.json"
             ) from e
 
-    @property
+    @cached_property
     def hf(self) -> Any:
         """The same tokenizer as transformers' object (loaded on first use: exporting a checkpoint, a chat
         template the lean reader cannot render)."""
         if not isinstance(self.backend, FastTokenizer):
             return self.backend
-        if "_hf" not in self.__dict__:
-            from transformers import AutoTokenizer
+        from transformers import AutoTokenizer
 
-            self.__dict__["_hf"] = AutoTokenizer.from_pretrained(str(self.backend.folder))
-        return self.__dict__["_hf"]
+        return AutoTokenizer.from_pretrained(str(self.backend.folder))
 
     @property
     def vocab_size(self) -> int:
