@@ -51,8 +51,8 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
                    "in persistent processes, same ids, teacher-forced steps in interleaved rounds, with each "
                    "engine's decode PPL and KL / top-1 against fm-exact (and llama.cpp q8_0 against llama.cpp f16) "
                    "over those steps (tools/bench/decode_compare.py); uses --model (a GGUF), --text, --lengths, "
-                   "--threads, --json, and --engines: fm-* (unbudgeted, no disk), llamacpp-f16(-fa), "
-                   "llamacpp-q8_0-fa, hf-dynamic")
+                   "--threads, --json, and --engines: fm-* (no disk fraction; fm-mixed-budget with --budget-mb), "
+                   "llamacpp-f16(-fa), llamacpp-q8_0-fa, hf-dynamic")
     p.add_argument("--rounds", type=int, default=3, help="--decode-only: interleaved rounds per length (3)")
     p.add_argument("--steps", type=int, default=16, help="--decode-only: teacher-forced steps per round (16)")
     p.add_argument("--fm-omp-wait-policy", default="PASSIVE", choices=["ACTIVE", "PASSIVE"],
