@@ -186,6 +186,8 @@ class Placement:
                 pass  # no room on disk (or a write error): the block leaves the cache
         for lv, slot in self.blocks.evict_cached(level):
             self.levels[lv].free(slot)
+        if level == Level.HOST:
+            self._lost_master(block)
         return True
 
     def write_cold_copy(self, block: BlockEntry) -> None:
@@ -213,6 +215,7 @@ class Placement:
         block = self.blocks.tables[seq_id].blocks[index]
         if Level.DISK in block.slots:  # restored from L2 earlier: its cold copy is still there
             self._detach(seq_id, index, Level.HOST)
+            self._lost_master(block)
             return
         slot = self.allocate(Level.DISK)
         k, v = self.codecs[Level.HOST].decode(self.levels[Level.HOST].read_block(block.slots[Level.HOST]), KV_DTYPE)
@@ -224,7 +227,14 @@ class Placement:
             raise
         self.blocks.attach(seq_id, index, Level.DISK, slot)
         self._detach(seq_id, index, Level.HOST)
+        self._lost_master(block)
         self.bytes_moved["L1->L2"] += disk.bytes_per_slot
+
+    def _lost_master(self, block: BlockEntry) -> None:
+        """The block's L1 copy is gone: unless L2 keeps blocks as precisely (an FP16 cold zone), what is left is
+        lossier than what a prefill writes, and the prefix cache must not offer it where a prefill keeps L1."""
+        if Level.DISK in self.levels and self.codecs[Level.DISK].bits < self.codecs[Level.HOST].bits:
+            block.master_lost = True
 
     def _make_room(self, level: Level) -> None:
         """Pressure: demote the oldest movable block of any sequence off `level`."""

@@ -137,13 +137,14 @@ class TieredKVCache(KVCache):
             self.prefetcher.forget(seq_id)
 
     def reuse_prefix(self, seq_id: int, token_ids: list[int]) -> int:
-        """Give a new (empty) sequence the cached blocks of the longest prefix of `token_ids` they hold (never the
-        last token: the next forward must compute something), brought up to the levels the policy wants; returns
-        the number of tokens reused (their prefill is skipped)."""
+        """Give a new (empty) sequence the cached blocks of the longest prefix of `token_ids` they hold (not the last
+        token; not a block whose L1 master was lost where a prefill keeps one), brought up to the levels the policy
+        wants; returns the number of tokens reused (their prefill is skipped)."""
         seq = self.seqs[seq_id]
         if self.prefix_cache is None or seq.num_tokens or not token_ids:
             return 0
-        found = self.prefix_cache.match(token_ids, (len(token_ids) - 1) // self.cfg.block_size)  # counted
+        found = self.prefix_cache.match(token_ids, (len(token_ids) - 1) // self.cfg.block_size,  # counted
+                                        needs_master=self.policy.keeps_master(len(token_ids)))
         for entry in found:
             self.blocks.share(seq_id, entry)
         self.placement.restore(seq_id, len(found))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from flashmemory import FlashMemoryEngine
+from flashmemory.kvcache.manager.blocks import Level
 
 EXACT = dict(kv_precision="fp16", selection="exact")
 LEVELS = dict(block_size=8, active_window=32, warm_tokens=64, prefill_chunk_tokens=32, cpu_memory_gb=0.01,
@@ -60,3 +61,25 @@ def test_concurrent_requests_sharing_a_document_share_its_blocks(engines):
         prompts, max_new_tokens=10, ignore_eos=True)
     assert cached.stats()["prefix_cache_hits"] >= 3 * (len(cached.tokenizer.encode(DOCUMENT)) // 8 - 1) * 8
     assert cached.cache.sequence_ids() == []
+
+
+def test_blocks_pushed_out_of_l1_are_computed_again_not_read_at_int2(tiny_llama, tmp_path):
+    """Unused cached blocks beyond prefix_cache_host_mb keep only their INT2 copy. The same prompt again must not read
+    them at INT2 where a fresh prefill keeps FP16 (the needle suite lost answers to that): it computes them again."""
+    knobs = dict(LEVELS, prefill_chunk_tokens=LEVELS["block_size"], warm_tokens=1024, cpu_memory_gb=0.05,
+                 prefix_cache_host_mb=0)
+    cached = FlashMemoryEngine(model_path=str(tiny_llama), cold_zone_dir=str(tmp_path / "a"), **knobs)
+    plain = FlashMemoryEngine(model_path=str(tiny_llama), cold_zone_dir=str(tmp_path / "b"), prefix_caching=False,
+                              **knobs)
+    try:
+        question = DOCUMENT + " Question: who was tired?"
+        want = plain.generate(question, max_new_tokens=16, ignore_eos=True)
+        assert cached.generate(question, max_new_tokens=16, ignore_eos=True) == want
+        pushed = [b for b in cached.cache.prefix_cache.index.values() if b.master_lost]
+        assert pushed and all(Level.HOST not in b.slots for b in pushed)
+        assert cached.generate(question, max_new_tokens=16, ignore_eos=True) == want
+        stats = cached.stats()
+        assert stats["prefix_cache_hits"] == 0 and stats["prefix_cache_lossy_refusals"] >= 1
+    finally:
+        cached.close()
+        plain.close()

@@ -66,6 +66,10 @@ class BlockEntry:
     block_hash: int | None = None  # its chain hash (prefix_cache.py), None while unnamed
     token_ids: tuple[int, ...] | None = None  # its tokens, compared on every prefix hit
     payload: object = None  # what the data plane keeps with it (the key digest for selection)
+    # Its L1 master copy (what a prefill writes) was dropped for a lossier one (INT2 on L2): any copy it has now,
+    # an L1 copy decoded back included, is less precise than a fresh prefill's. Blocks read back from a previous
+    # process's L2 file (persist_cache) are not marked: reusing their L2 copies is what that setting is for.
+    master_lost: bool = False
 
     @property
     def primary(self) -> Level:
@@ -133,7 +137,9 @@ class BlockManager:
 
     def _release_blocks(self, blocks: list[BlockEntry], owner: int | str) -> list[tuple[Level, int]]:
         released = []
-        for block in blocks:
+        # Newest first, so a prefix's tail is the least recently released and goes first when room is needed: a
+        # prefix is reusable only up to its first missing block, so losing its head first would strand the rest.
+        for block in reversed(blocks):
             block.owners.discard(owner)
             if block.owners:
                 continue

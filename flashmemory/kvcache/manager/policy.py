@@ -9,7 +9,7 @@ window, then live in L2 alone. Without a cold level every old block stays in L1.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from flashmemory.kvcache.manager.blocks import Level
@@ -57,6 +57,12 @@ class PlacementPolicy:
         if not self.cold_zone_enabled or age < self.warm_end_blocks:
             return WARM
         return COLD
+
+    def keeps_master(self, num_tokens: int) -> Callable[[int], bool]:
+        """For a sequence of `num_tokens`: whether a fresh prefill keeps block i's L1 master copy (does not leave it
+        on L2 only). A reused copy of the block must be as precise there."""
+        num_blocks = num_tokens // self.block_size
+        return lambda i: Level.DISK not in self.levels_for(num_blocks - 1 - i, i < self.num_sink_blocks)
 
     def is_pinned(self, index: int, pinned_spans: Iterable[tuple[int, int]] = ()) -> bool:
         """Whether block `index` is pinned: an attention sink, or overlapping a [start, end) token span."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from flashmemory.kvcache.manager.blocks import BlockEntry, Level
 
@@ -47,6 +47,7 @@ class PrefixCache:
         self.hit_tokens = 0
         self.hit_blocks = {level: 0 for level in Level}  # reused blocks by the level of their fastest copy
         self.evicted_blocks = {level: 0 for level in Level}  # copies dropped to make room, by level
+        self.lossy_refusals = 0  # matches cut short at a block whose L1 master was lost (see match)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -55,8 +56,13 @@ class PrefixCache:
     def num_unused(self) -> int:
         return len(self._unused)
 
-    def match(self, token_ids: Sequence[int], max_blocks: int | None = None, count: bool = True) -> list[BlockEntry]:
-        """The blocks of the longest cached prefix of `token_ids` (at most `max_blocks`), in order."""
+    def match(self, token_ids: Sequence[int], max_blocks: int | None = None, count: bool = True,
+              needs_master: Callable[[int], bool] | None = None) -> list[BlockEntry]:
+        """The blocks of the longest cached prefix of `token_ids` (at most `max_blocks`), in order.
+
+        needs_master(i): whether a fresh prefill would keep block i's L1 master copy; the match then stops at a
+        block whose master is lost (`BlockEntry.master_lost`), so reuse never reads a prefix less precisely than
+        computing it again would."""
         limit = len(token_ids) // self.block_size if max_blocks is None else max_blocks
         found: list[BlockEntry] = []
         prev = 0
@@ -65,6 +71,9 @@ class PrefixCache:
             (name,) = chain_hashes(tokens, self.block_size, self.namespace, prev)
             entry = self.index.get(name)
             if entry is None or entry.token_ids != tokens or not entry.slots:
+                break
+            if entry.master_lost and needs_master is not None and needs_master(b):
+                self.lossy_refusals += 1
                 break
             found.append(entry)
             prev = name
@@ -133,6 +142,7 @@ class PrefixCache:
             "prefix_cache_hit_rate": self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0,
             "prefix_cache_blocks": len(self.index),
             "prefix_cache_unused_blocks": len(self._unused),
+            "prefix_cache_lossy_refusals": self.lossy_refusals,  # reuses cut short at a block only left lossy
         }
         for level in Level:
             out[f"L{int(level)}_prefix_hit_blocks"] = self.hit_blocks[level]

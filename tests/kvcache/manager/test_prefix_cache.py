@@ -50,6 +50,35 @@ def test_a_finished_sequence_s_blocks_are_reused_by_reference_and_evicted_least_
     assert len(freed) == 1 and len(cache) == 2 and blocks.evict_cached(Level.HOST) == []
 
 
+def test_a_finished_sequence_s_tail_is_evicted_before_its_head():
+    """A prefix is reusable only up to its first missing block: eviction takes the newest blocks first, so what
+    stays cached is still a prefix."""
+    cache = PrefixCache(BS, b"ns")
+    blocks = BlockManager({Level.HOST: 6}, cache)
+    blocks.add_sequence(1)
+    _write(blocks, cache, 1, list(range(12)))
+    blocks.free_sequence(1)
+    blocks.evict_cached(Level.HOST)
+    assert [b.token_ids for b in cache.match(list(range(13)))] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    blocks.evict_cached(Level.HOST)
+    assert [b.token_ids for b in cache.match(list(range(13)))] == [(0, 1, 2, 3)]
+
+
+def test_a_block_whose_master_copy_was_lost_ends_the_match_only_where_a_prefill_keeps_one():
+    cache = PrefixCache(BS, b"ns")
+    blocks = BlockManager({Level.HOST: 6}, cache)
+    blocks.add_sequence(1)
+    _write(blocks, cache, 1, list(range(12)))
+    blocks.free_sequence(1)
+    second = cache.match(list(range(12)))[1]
+    second.master_lost = True  # as Placement marks a block whose L1 copy gave way to an INT2 one
+    tokens = list(range(13))
+    assert len(cache.match(tokens)) == 3  # no rule given: every cached block
+    assert len(cache.match(tokens, needs_master=lambda i: i >= 2)) == 3  # block 1 would be on L2 anyway
+    assert len(cache.match(tokens, needs_master=lambda i: True)) == 1  # block 1 must be recomputed, and after it
+    assert cache.stats()["prefix_cache_lossy_refusals"] == 1
+
+
 def test_a_name_collision_never_serves_other_tokens():
     cache = PrefixCache(BS, b"ns")
     blocks = BlockManager({Level.HOST: 4}, cache)
