@@ -64,6 +64,9 @@ class EngineConfig:
         0.15, "fraction of L2 blocks a decode step attends (query-aware)", unit="fraction", gt=0, le=1)
     warm_budget_tokens: int = setting(1408, "tokens of L1 blocks a decode step attends (query-aware)",
                                       unit="tokens", ge=1)
+    warm_budget_fraction: float = setting(
+        0.25, "most of L1's blocks a decode step attends, as a fraction of them (query-aware): a short history's L1 "
+        "is not read almost whole; warm_budget_tokens caps it at long ones", unit="fraction", gt=0, le=1)
     selection_min_tokens: int = setting(
         256, "fewest tokens a decode step reads from each of L1 and L2 when it selects (a floor under "
         "warm_budget_tokens and semantic_truncate_threshold; short histories otherwise read a few blocks)",

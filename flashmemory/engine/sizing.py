@@ -111,6 +111,7 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
         warm_tokens=engine_cfg.warm_tokens,
         semantic_truncate_threshold=float(engine_cfg.semantic_truncate_threshold),
         warm_budget_tokens=engine_cfg.warm_budget_tokens,
+        warm_budget_fraction=float(engine_cfg.warm_budget_fraction),
         selection_min_tokens=engine_cfg.selection_min_tokens,
         selection_prompt_tokens=engine_cfg.selection_prompt_tokens,
         selection=engine_cfg.selection,

@@ -41,6 +41,7 @@ class TieredCacheConfig:
     warm_tokens: int = 16384  # tokens after the window kept in L1 before moving to L2
     semantic_truncate_threshold: float = 0.15  # fraction of L2 blocks a decode step attends
     warm_budget_tokens: int = 2048  # tokens of L1 blocks a decode step attends (selected)
+    warm_budget_fraction: float = 1.0  # at most this fraction of L1's blocks (the engine's default: 0.25)
     selection_min_tokens: int = 256  # floor under either level's budget (a fraction of a short history is tiny)
     selection_prompt_tokens: int = 128  # per level, layer and KV head: blocks the prompt's end points to (hints)
     selection: str = "quest"  # "quest" (query-aware) or "exact" (attend everything)

@@ -43,6 +43,17 @@ def test_a_short_history_reads_at_least_the_floor(tmp_path):
     assert off.budget(Level.DISK, 20) == 3
 
 
+def test_l1_reads_at_most_its_fraction_and_the_token_cap():
+    cfg = tiny_config(warm_budget_tokens=64, warm_budget_fraction=0.25, selection_min_tokens=0)
+    reader = BlockReader(cfg, None, {}, {}, [])
+    block = cfg.block_size
+    assert reader.budget(Level.HOST, 20) == 5  # a quarter of a short L1
+    assert reader.budget(Level.HOST, 1000) == 64 // block  # the token cap at a long one
+    floored = BlockReader(tiny_config(warm_budget_tokens=64, warm_budget_fraction=0.25, selection_min_tokens=8 * block),
+                          None, {}, {}, [])
+    assert floored.budget(Level.HOST, 20) == 8  # the floor still holds under the fraction
+
+
 class _Chosen:
     """A choice observer keeping, per decode step and layer, the logical blocks each KV head read from L1."""
 
