@@ -59,8 +59,8 @@ class PlacementPolicy:
         return COLD
 
     def keeps_master(self, num_tokens: int) -> Callable[[int], bool]:
-        """For a sequence of `num_tokens`: whether a fresh prefill keeps block i's L1 master copy (does not leave it
-        on L2 only). A reused copy of the block must be as precise there."""
+        """For a sequence of `num_tokens`: whether block i keeps its L1 master copy (is not on L2 only). Where a
+        prefix is reused, a reused block must be as precise there."""
         num_blocks = num_tokens // self.block_size
         return lambda i: Level.DISK not in self.levels_for(num_blocks - 1 - i, i < self.num_sink_blocks)
 

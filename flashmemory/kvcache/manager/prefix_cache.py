@@ -60,9 +60,9 @@ class PrefixCache:
               needs_master: Callable[[int], bool] | None = None) -> list[BlockEntry]:
         """The blocks of the longest cached prefix of `token_ids` (at most `max_blocks`), in order.
 
-        needs_master(i): whether a fresh prefill would keep block i's L1 master copy; the match then stops at a
-        block whose master is lost (`BlockEntry.master_lost`), so reuse never reads a prefix less precisely than
-        computing it again would."""
+        needs_master(i): whether the sequence being started keeps block i's L1 master copy (FP16) when computed
+        afresh; the match then ends at a block whose master was lost (`BlockEntry.master_lost`: INT2 is all it
+        keeps), so a reused block is never read less precisely than a fresh prefill would leave it."""
         limit = len(token_ids) // self.block_size if max_blocks is None else max_blocks
         found: list[BlockEntry] = []
         prev = 0

@@ -64,14 +64,13 @@ def test_a_finished_sequence_s_tail_is_evicted_before_its_head():
     assert [b.token_ids for b in cache.match(list(range(13)))] == [(0, 1, 2, 3)]
 
 
-def test_a_block_whose_master_copy_was_lost_ends_the_match_only_where_a_prefill_keeps_one():
+def test_a_block_whose_master_copy_was_lost_ends_the_match_only_where_the_sequence_keeps_one():
     cache = PrefixCache(BS, b"ns")
     blocks = BlockManager({Level.HOST: 6}, cache)
     blocks.add_sequence(1)
     _write(blocks, cache, 1, list(range(12)))
     blocks.free_sequence(1)
-    second = cache.match(list(range(12)))[1]
-    second.master_lost = True  # as Placement marks a block whose L1 copy gave way to an INT2 one
+    cache.match(list(range(12)))[1].master_lost = True  # as Placement marks a block whose L1 copy gave way to INT2
     tokens = list(range(13))
     assert len(cache.match(tokens)) == 3  # no rule given: every cached block
     assert len(cache.match(tokens, needs_master=lambda i: i >= 2)) == 3  # block 1 would be on L2 anyway
