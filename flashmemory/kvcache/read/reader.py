@@ -110,10 +110,11 @@ class BlockReader:
         return block.primary
 
     def budget(self, level: Level, num_candidates: int) -> int:
-        """Blocks a decode step reads from a level: L1 a token budget, L2 a fraction of its blocks."""
+        """Blocks a decode step reads from a level: L1 a token budget, capped at a fraction of its blocks; L2 a
+        fraction of its blocks; either at least the floor."""
         if level == Level.HOST:
             wanted = min(self.cfg.warm_budget_tokens // self.cfg.block_size,
-                         math.ceil(self.cfg.warm_budget_fraction * num_candidates))
+                         int(self.cfg.warm_budget_fraction * num_candidates))  # at most: rounded down
         else:
             wanted = math.ceil(self.cfg.semantic_truncate_threshold * num_candidates)
         # NOTE: 15 % of a 1,000-token L2 is 10 blocks; a needle ranked 12th by its box bound was lost that way.

@@ -48,6 +48,7 @@ def test_l1_reads_at_most_its_fraction_and_the_token_cap():
     reader = BlockReader(cfg, None, {}, {}, [])
     block = cfg.block_size
     assert reader.budget(Level.HOST, 20) == 5  # a quarter of a short L1
+    assert reader.budget(Level.HOST, 23) == 5  # at most a quarter: rounded down
     assert reader.budget(Level.HOST, 1000) == 64 // block  # the token cap at a long one
     floored = BlockReader(tiny_config(warm_budget_tokens=64, warm_budget_fraction=0.25, selection_min_tokens=8 * block),
                           None, {}, {}, [])
