@@ -63,7 +63,7 @@ class TieredCacheConfig:
     cold_zone_uncached_reads: bool = False  # posix_fadvise(DONTNEED) after each L2 read
     device_staging_bytes: int = 0  # device area for L1 blocks copied ahead of need (0 = off; prefetch/device_staging.py)
     prefix_caching: bool = True  # name full blocks by content and keep them for later sequences (prefix_cache.py)
-    prefix_cache_host_bytes: int = 64 * 2**20  # L1 bytes unused cached blocks may keep (the rest go to L2 or leave)
+    prefix_cache_host_bytes: int = 256 * 2**20  # L1 bytes unused cached blocks may keep (the rest go to L2 or leave)
     prefix_cache_disk_bytes: int = 1024 * 2**20  # L2 bytes they may keep (beyond it the least recently used leave)
     persist_cache: bool = False  # keep the L2 file and the prefix index in cold_zone_dir across restarts
     attention_backend: str = "auto"  # decode attention: "auto" (the native CPU kernel where it runs), "native", "torch"

@@ -308,16 +308,16 @@ class TieredKVCache(KVCache):
         self._name_block(seq, seq_id, index, nameable)
 
     def _name_block(self, seq: SequenceKV, seq_id: int, index: int, register: bool = True) -> None:
-        """Name a full block by its chain hash when its tokens are known, and (`register`) enter it in the prefix
-        cache under that name."""
+        """Name a full block by its chain hash when its tokens are known; `register`: enter it in the prefix cache."""
         if self.prefix_cache is None or seq.token_ids is None:
             return
         bs = self.cfg.block_size
         tokens = tuple(seq.token_ids[index * bs : (index + 1) * bs])
         (name,) = chain_hashes(tokens, bs, self.prefix_cache.namespace, seq.last_block_name)
         seq.last_block_name = name
-        if register:
-            self.prefix_cache.register(self.blocks.tables[seq_id].blocks[index], name, tokens)
+        if register:  # a cached copy of the same tokens that lost its master gives way to this one
+            for level, slot in self.blocks.register(self.blocks.tables[seq_id].blocks[index], name, tokens):
+                self.levels[level].free(slot)
 
     # ---- reporting --------------------------------------------------------------------------------------------
 

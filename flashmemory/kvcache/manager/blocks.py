@@ -173,6 +173,21 @@ class BlockManager:
         """Undo `hold`; returns the (level, slot) pairs released."""
         return self._release_blocks(blocks, owner)
 
+    def register(self, block: BlockEntry, name: int, token_ids: tuple[int, ...]) -> list[tuple[Level, int]]:
+        """Name a freshly written full block in the prefix cache. An unused cached block of that name that lost its
+        master copy gives way to it (the same tokens, precise again): returns the (level, slot) pairs it freed."""
+        cache = self.prefix_cache
+        old = cache.index.get(name) if cache is not None else None
+        freed: list[tuple[Level, int]] = []
+        if old is not None and old is not block and old.master_lost and not old.owners:
+            freed = [(level, old.slots.pop(level)) for level in list(old.slots)]
+            for level, slot in freed:
+                self.allocators[level].free(slot)
+            cache.forget(old)
+        if cache is not None:
+            cache.register(block, name, token_ids)
+        return freed
+
     def evict_cached(self, level: Level) -> list[tuple[Level, int]]:
         """Make room on `level` by dropping the copy of the least recently released unused named block there;
         returns the (level, slot) pairs freed (empty when no unused block has a copy on the level). A block left

@@ -73,7 +73,7 @@ class PrefixCache:
             if entry is None or entry.token_ids != tokens or not entry.slots:
                 break
             if entry.master_lost and needs_master is not None and needs_master(b):
-                self.lossy_refusals += 1
+                self.lossy_refusals += count
                 break
             found.append(entry)
             prev = name

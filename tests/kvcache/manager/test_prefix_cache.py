@@ -78,6 +78,23 @@ def test_a_block_whose_master_copy_was_lost_ends_the_match_only_where_the_sequen
     assert cache.stats()["prefix_cache_lossy_refusals"] == 1
 
 
+def test_a_fresh_copy_of_a_block_that_lost_its_master_takes_its_name():
+    cache = PrefixCache(BS, b"ns")
+    blocks = BlockManager({Level.HOST: 4, Level.DISK: 4}, cache)
+    blocks.add_sequence(1)
+    _write(blocks, cache, 1, [1, 2, 3, 4])
+    blocks.free_sequence(1)
+    (lossy,) = cache.match([1, 2, 3, 4])
+    lossy.master_lost = True
+    blocks.add_sequence(2)  # computes the same tokens again (the match was cut there)
+    index = blocks.append_block(2)
+    blocks.attach(2, index, Level.HOST, blocks.allocate(Level.HOST))
+    fresh = blocks.tables[2].blocks[index]
+    freed = blocks.register(fresh, lossy.block_hash, (1, 2, 3, 4))
+    assert freed == [(Level.HOST, 0)] and not lossy.slots and cache.match([1, 2, 3, 4]) == [fresh]
+    assert blocks.register(fresh, fresh.block_hash, (1, 2, 3, 4)) == []  # a precise or used block stays put
+
+
 def test_a_name_collision_never_serves_other_tokens():
     cache = PrefixCache(BS, b"ns")
     blocks = BlockManager({Level.HOST: 4}, cache)
