@@ -138,13 +138,13 @@ class TieredKVCache(KVCache):
 
     def reuse_prefix(self, seq_id: int, token_ids: list[int]) -> int:
         """Give a new (empty) sequence the cached blocks of the longest prefix of `token_ids` they hold (not the last
-        token; not a block whose L1 master was lost where a prefill keeps one), brought up to the levels the policy
-        wants; returns the number of tokens reused (their prefill is skipped)."""
+        token; not past a block that lost its L1 master where the prefill after it reads FP16), brought up to the
+        levels the policy wants; returns the number of tokens reused (their prefill is skipped)."""
         seq = self.seqs[seq_id]
         if self.prefix_cache is None or seq.num_tokens or not token_ids:
             return 0
         found = self.prefix_cache.match(token_ids, (len(token_ids) - 1) // self.cfg.block_size,  # counted
-                                        needs_master=self.policy.keeps_master(len(token_ids)))
+                                        needs_master=self.policy.keeps_master)
         for entry in found:
             self.blocks.share(seq_id, entry)
         self.placement.restore(seq_id, len(found))

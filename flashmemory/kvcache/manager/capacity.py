@@ -48,7 +48,7 @@ class KVCapacity:
         their prefill is skipped. Nothing is counted or reserved."""
         if self.prefix_cache is None or len(token_ids) <= self.block_size:
             return 0
-        needs_master = None if self.policy is None else self.policy.keeps_master(len(token_ids))
+        needs_master = None if self.policy is None else self.policy.keeps_master
         found = self.prefix_cache.match(token_ids, (len(token_ids) - 1) // self.block_size, count=False,
                                         needs_master=needs_master)
         return len(found) * self.block_size

@@ -9,7 +9,7 @@ window, then live in L2 alone. Without a cold level every old block stays in L1.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from flashmemory.kvcache.manager.blocks import Level
@@ -58,11 +58,10 @@ class PlacementPolicy:
             return WARM
         return COLD
 
-    def keeps_master(self, num_tokens: int) -> Callable[[int], bool]:
-        """For a sequence of `num_tokens`: whether block i keeps its L1 master copy (is not on L2 only). Where a
-        prefix is reused, a reused block must be as precise there."""
-        num_blocks = num_tokens // self.block_size
-        return lambda i: Level.DISK not in self.levels_for(num_blocks - 1 - i, i < self.num_sink_blocks)
+    def keeps_master(self, index: int, num_blocks: int) -> bool:
+        """Whether block `index` of a sequence of `num_blocks` full blocks keeps its L1 master copy (is not on L2
+        only): a prefill that has computed `num_blocks` blocks reads it in FP16."""
+        return Level.DISK not in self.levels_for(num_blocks - 1 - index, index < self.num_sink_blocks)
 
     def is_pinned(self, index: int, pinned_spans: Iterable[tuple[int, int]] = ()) -> bool:
         """Whether block `index` is pinned: an attention sink, or overlapping a [start, end) token span."""

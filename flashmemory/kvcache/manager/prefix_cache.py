@@ -57,12 +57,13 @@ class PrefixCache:
         return len(self._unused)
 
     def match(self, token_ids: Sequence[int], max_blocks: int | None = None, count: bool = True,
-              needs_master: Callable[[int], bool] | None = None) -> list[BlockEntry]:
+              needs_master: Callable[[int, int], bool] | None = None) -> list[BlockEntry]:
         """The blocks of the longest cached prefix of `token_ids` (at most `max_blocks`), in order.
 
-        needs_master(i): whether the sequence being started keeps block i's L1 master copy (FP16) when computed
-        afresh; the match then ends at a block whose master was lost (`BlockEntry.master_lost`: INT2 is all it
-        keeps), so a reused block is never read less precisely than a fresh prefill would leave it."""
+        needs_master(i, n): whether block i keeps its L1 master copy (FP16) in a sequence of n full blocks. With it,
+        the prefix ends before any block whose master was lost (`BlockEntry.master_lost`: INT2 is all it keeps)
+        that the prefill after the prefix would read in FP16 had it computed everything: reuse is then never less
+        precise than computing again (up to where the prefill splits its chunks)."""
         limit = len(token_ids) // self.block_size if max_blocks is None else max_blocks
         found: list[BlockEntry] = []
         prev = 0
@@ -72,17 +73,26 @@ class PrefixCache:
             entry = self.index.get(name)
             if entry is None or entry.token_ids != tokens or not entry.slots:
                 break
-            if entry.master_lost and needs_master is not None and needs_master(b):
-                self.lossy_refusals += count
-                break
             found.append(entry)
             prev = name
+        if needs_master is not None:
+            found = self._precise_prefix(found, needs_master, count)
         if count:
             self.queried_tokens += len(token_ids)
             self.hit_tokens += len(found) * self.block_size
             for entry in found:
                 self.hit_blocks[entry.primary] += 1
         return found
+
+    def _precise_prefix(self, found: list[BlockEntry], needs_master: Callable[[int, int], bool],
+                        count: bool) -> list[BlockEntry]:
+        """The longest head of `found` after which no block the prefill needs in FP16 lost its master. A shorter
+        head starts the prefill earlier, where older blocks may be needed in FP16: repeat until none is."""
+        end = len(found)
+        while lost := [i for i in range(end) if found[i].master_lost and needs_master(i, end)]:
+            end = max(lost)
+        self.lossy_refusals += count and end < len(found)
+        return found[:end]
 
     def register(self, entry: BlockEntry, name: int, token_ids: tuple[int, ...]) -> bool:
         """Name a freshly written full block; False (and nothing changes) when another block already has the

@@ -64,18 +64,28 @@ def test_a_finished_sequence_s_tail_is_evicted_before_its_head():
     assert [b.token_ids for b in cache.match(list(range(13)))] == [(0, 1, 2, 3)]
 
 
-def test_a_block_whose_master_copy_was_lost_ends_the_match_only_where_the_sequence_keeps_one():
+def test_a_block_whose_master_copy_was_lost_ends_the_match_only_where_the_prefill_after_it_reads_fp16():
     cache = PrefixCache(BS, b"ns")
-    blocks = BlockManager({Level.HOST: 6}, cache)
+    blocks = BlockManager({Level.HOST: 8}, cache)
     blocks.add_sequence(1)
-    _write(blocks, cache, 1, list(range(12)))
+    _write(blocks, cache, 1, list(range(24)))
     blocks.free_sequence(1)
-    cache.match(list(range(12)))[1].master_lost = True  # as Placement marks a block whose L1 copy gave way to INT2
-    tokens = list(range(13))
-    assert len(cache.match(tokens)) == 3  # no rule given: every cached block
-    assert len(cache.match(tokens, needs_master=lambda i: i >= 2)) == 3  # block 1 would be on L2 anyway
-    assert len(cache.match(tokens, needs_master=lambda i: True)) == 1  # block 1 must be recomputed, and after it
-    assert cache.stats()["prefix_cache_lossy_refusals"] == 1
+    cache.match(list(range(24)))[1].master_lost = True  # as Placement marks a block whose L1 copy gave way to INT2
+    tokens = list(range(25))
+    assert len(cache.match(tokens)) == 6  # no rule given: every cached block
+
+    def within(reach: int):  # a prefill that has computed n blocks reads blocks newer than n - reach in FP16
+        return lambda i, n: n - 1 - i < reach
+
+    assert len(cache.match(tokens, needs_master=within(4))) == 6  # block 1 is older than the reach from block 6
+    # Reach 5 takes block 1 in: the prefix ends before it, and from there block 0 must be precise (it is).
+    assert len(cache.match(tokens, needs_master=within(5))) == 1
+    cache.match(list(range(24)))[3].master_lost = True
+    # Reach 4 from block 6 takes block 3 in: cut at 3; the reach from there takes block 1 in: cut at 1.
+    assert len(cache.match(tokens, needs_master=within(4))) == 1
+    assert cache.stats()["prefix_cache_lossy_refusals"] == 2
+    cache.match(tokens, count=False, needs_master=within(4))
+    assert cache.stats()["prefix_cache_lossy_refusals"] == 2  # a lookup that is not counted (the scheduler's)
 
 
 def test_a_fresh_copy_of_a_block_that_lost_its_master_takes_its_name():
