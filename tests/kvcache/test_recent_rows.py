@@ -100,7 +100,8 @@ def test_a_reused_prefix_leaves_the_row_as_a_fresh_prefill_would(tmp_path):
     tokens = list(range(500, 560))
     outputs = []
     for reuse in (False, True):
-        cache = TieredKVCache(tiny_config(kv_precision="mixed", recent_fp16_tokens=16,
+        # warm_tokens 64: no block of the 48-token prefix ages into INT2 L2, where a prefix could not be reused
+        cache = TieredKVCache(tiny_config(kv_precision="mixed", recent_fp16_tokens=16, warm_tokens=64,
                                           cold_zone_dir=str(tmp_path / str(reuse))))
         seq = SyntheticSequence(1, 60, seed=7)
         start = 0
