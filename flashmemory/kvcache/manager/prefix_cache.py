@@ -87,10 +87,12 @@ class PrefixCache:
     def _precise_prefix(self, found: list[BlockEntry], needs_master: Callable[[int, int], bool],
                         count: bool) -> list[BlockEntry]:
         """The longest head of `found` after which no block the prefill needs in FP16 lost its master. A shorter
-        head starts the prefill earlier, where older blocks may be needed in FP16: repeat until none is."""
+        head starts the prefill earlier, where older blocks may be needed in FP16, so one pass from the newest block
+        down checks each block against the end in force when it is reached."""
         end = len(found)
-        while lost := [i for i in range(end) if found[i].master_lost and needs_master(i, end)]:
-            end = max(lost)
+        for i in range(end - 1, -1, -1):
+            if found[i].master_lost and needs_master(i, end):
+                end = i
         self.lossy_refusals += count and end < len(found)
         return found[:end]
 
