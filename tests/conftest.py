@@ -35,6 +35,18 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen_path() -> Path:
+    """The 32K model's GGUF (Qwen2.5-Coder-0.5B); skips naming the fetch command where it is not on this machine."""
+    from flashmemory.errors import ModelNotFoundError
+    from flashmemory.model.long_model import long_model_path
+
+    try:
+        return long_model_path()
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
 def smollm2_engine(smollm2_path):
     from flashmemory import FlashMemoryEngine
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import sys
 
-import pytest
-
 from flashmemory.model.fast_tokenizer import FastTokenizer
 from flashmemory.model.tokenizer import Tokenizer
 
@@ -49,15 +47,8 @@ def test_the_default_models_tokenizer_matches_transformers(smollm2_path):
     _same(*_pair(smollm2_path))
 
 
-def test_the_32k_models_tokenizer_matches_transformers():
-    from flashmemory.errors import ModelNotFoundError
-    from flashmemory.model.long_model import long_model_path
-
-    try:
-        path = long_model_path()
-    except ModelNotFoundError as e:
-        pytest.skip(str(e))
-    _same(*_pair(path))
+def test_the_32k_models_tokenizer_matches_transformers(qwen_path):
+    _same(*_pair(qwen_path))
 
 
 def test_a_tiny_folder_with_tokenizer_json_matches_transformers(tiny_llama):

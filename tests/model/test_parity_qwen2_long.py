@@ -18,17 +18,6 @@ LOGITS_ATOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def qwen_path():
-    from flashmemory.errors import ModelNotFoundError
-    from flashmemory.model.long_model import long_model_path
-
-    try:
-        return long_model_path()
-    except ModelNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def qwen_engine(qwen_path):
     from flashmemory import FlashMemoryEngine
 

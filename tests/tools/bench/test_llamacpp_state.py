@@ -129,20 +129,13 @@ LOGITS_ATOL = 1.5
 
 
 @pytest.fixture(scope="module")
-def qwen_llm():
+def qwen_llm(qwen_path):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed "
                                     "(bash scripts/install_llama_cpp.sh)")
-    from flashmemory.errors import ModelNotFoundError
-    from flashmemory.model.long_model import long_model_path
-
-    try:
-        path = long_model_path()
-    except ModelNotFoundError as e:
-        pytest.skip(str(e))
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_TOKENS + 64, n_batch=512, n_threads=2, n_threads_batch=2,
+    llm = llama_cpp.Llama(model_path=str(qwen_path), n_ctx=N_TOKENS + 64, n_batch=512, n_threads=2, n_threads_batch=2,
                           flash_attn=False, logits_all=False, verbose=False)
     ids = llm.tokenize(b"def fibonacci(n):\n    " * 40, add_bos=False)[:N_TOKENS + DECODE_STEPS]
-    yield path, llm, ids
+    yield qwen_path, llm, ids
     llm.close()
 
 
