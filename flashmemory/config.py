@@ -120,10 +120,9 @@ class EngineConfig:
         "(--no-prefix-caching) frees every block as its request ends", flags=("--no-prefix-caching",))
     prefix_cache_host_mb: float = setting(
         256.0, "host memory the prefix cache may keep for the FP16 copies of blocks no request uses (an 8K-token "
-        "SmolLM2 document's are 184 MB); beyond it the "
-        "least recently used (a prefix's tail first) leave L1, written to L2 first when there is one, and a prompt "
-        "computes them again where a prefill keeps FP16; 0 = none stay in L1 (a quiet server then holds only its "
-        "working set)", unit="MiB", ge=0)
+        "SmolLM2 document's are 184 MB); beyond it the least recently used (a prefix's tail first) leave L1, written "
+        "to L2 first when there is one, and a prompt computes them again where a prefill keeps FP16; 0 = none stay "
+        "in L1 (a quiet server then holds only its working set)", unit="MiB", ge=0)
     prefix_cache_disk_mb: float = setting(
         1024.0, "disk (cold zone) the prefix cache may keep for the INT2 copies of blocks no request uses; beyond it "
         "the least recently used leave the cache and their slots are reused first, so the cold-zone file stays near "

@@ -177,15 +177,16 @@ class BlockManager:
         """Name a freshly written full block in the prefix cache. An unused cached block of that name that lost its
         master copy gives way to it (the same tokens, precise again): returns the (level, slot) pairs it freed."""
         cache = self.prefix_cache
-        old = cache.index.get(name) if cache is not None else None
+        if cache is None:
+            return []
+        old = cache.index.get(name)
         freed: list[tuple[Level, int]] = []
         if old is not None and old is not block and old.master_lost and not old.owners:
             freed = [(level, old.slots.pop(level)) for level in list(old.slots)]
             for level, slot in freed:
                 self.allocators[level].free(slot)
             cache.forget(old)
-        if cache is not None:
-            cache.register(block, name, token_ids)
+        cache.register(block, name, token_ids)
         return freed
 
     def evict_cached(self, level: Level) -> list[tuple[Level, int]]:

@@ -61,7 +61,7 @@ class PlacementPolicy:
     def keeps_master(self, index: int, num_blocks: int) -> bool:
         """Whether block `index` of a sequence of `num_blocks` full blocks keeps its L1 master copy (is not on L2
         only): a prefill that has computed `num_blocks` blocks reads it in FP16."""
-        return Level.DISK not in self.levels_for(num_blocks - 1 - index, index < self.num_sink_blocks)
+        return Level.DISK not in self.levels_for(num_blocks - 1 - index, self.is_pinned(index))
 
     def is_pinned(self, index: int, pinned_spans: Iterable[tuple[int, int]] = ()) -> bool:
         """Whether block `index` is pinned: an attention sink, or overlapping a [start, end) token span."""
