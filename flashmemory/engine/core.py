@@ -129,7 +129,7 @@ class EngineCore:
         """Schedule, run one batched forward, sample; returns the outputs to deliver, in order."""
         out, self._refused = self._refused, []
         plan = self.scheduler.schedule()
-        self._apply(plan)
+        out += self._apply(plan)
         if not plan.scheduled:
             return out
         entries, input_ids, sample_rows, to_sample = [], [], [], []
@@ -208,9 +208,11 @@ class EngineCore:
                 self.observer.on_fault("fail")
         return out
 
-    def _apply(self, plan: StepPlan) -> None:
-        """Carry the plan's preemptions and admissions out on the cache, freeing before allocating."""
-        cache = self.cache
+    def _apply(self, plan: StepPlan) -> list[Delivery]:
+        """Carry the plan's preemptions and admissions out on the cache, freeing before allocating. A sequence
+        whose admission fails (a cached block it reuses cannot be read) is contained alone and leaves the plan;
+        returns the outputs of those that failed."""
+        cache, out = self.cache, []
         for seq in plan.demoted:
             cache.demote_sequence(seq.seq_id)
         for seq in plan.recomputed:
@@ -218,14 +220,13 @@ class EngineCore:
         for seq in plan.promoted:
             cache.promote_sequence(seq.seq_id)
         for seq in plan.admitted:
-            cache.add_sequence(seq.seq_id)
-            reused = cache.reuse_prefix(seq.seq_id, seq.token_ids(0, seq.num_tokens))  # a lookup, hit or miss
-            if reused or seq.num_cached_prefix_tokens:
-                # NOTE: nothing between the scheduler's lookup and this attach evicts a whole block (only L0 copies
-                # of unused ones go), so the cache finds what the scheduler counted.
-                assert reused == seq.num_cached_prefix_tokens, (reused, seq.num_cached_prefix_tokens)
-            for start, end in seq.pinned_spans:
-                cache.pin_span(seq.seq_id, start, end)
+            try:
+                self._admit(seq)
+            except Exception as e:  # noqa: BLE001 - contained: this sequence is recomputed or fails alone
+                out += self._contain_admission(e, seq)
+        if out or any(seq.status != SequenceStatus.RUNNING for seq in plan.admitted):
+            plan.scheduled = [(seq, n) for seq, n in plan.scheduled
+                              if seq.seq_id in self._live and seq.status == SequenceStatus.RUNNING]
         if plan.demoted:
             self.observer.on_preempted("demote", len(plan.demoted))
         if plan.recomputed:
@@ -233,6 +234,43 @@ class EngineCore:
         if plan.num_preempted:
             logger.debug("preempted %d sequence(s): %d demoted, %d to recompute", plan.num_preempted,
                          len(plan.demoted), len(plan.recomputed))
+        return out
+
+    def _admit(self, seq: Sequence) -> None:
+        """Give an admitted sequence its place in the cache and the cached prefix the scheduler counted."""
+        cache = self.cache
+        cache.add_sequence(seq.seq_id)
+        if not seq.skip_prefix_reuse:
+            reused = cache.reuse_prefix(seq.seq_id, seq.token_ids(0, seq.num_tokens))  # a lookup, hit or miss
+            # NOTE: nothing between the scheduler's lookup and this attach evicts a whole block (only L0 copies of
+            # unused ones go), so the cache finds what the scheduler counted.
+            assert reused == seq.num_cached_prefix_tokens, (reused, seq.num_cached_prefix_tokens)
+        for start, end in seq.pinned_spans:
+            cache.pin_span(seq.seq_id, start, end)
+
+    def _contain_admission(self, error: Exception, seq: Sequence) -> list[Delivery]:
+        """Admitting `seq` failed. Its KV is freed (the prefix blocks it reused stay cached; a block that could not
+        be read already left the cache) and it waits to be computed again, once; then it fails alone."""
+        if is_fatal(error, self.device):
+            raise error
+        logger.error("admitting sequence %d failed: %s: %s", seq.seq_id, type(error).__name__, error,
+                     exc_info=not isinstance(error, FlashMemoryError))
+        self.cache.free_sequence(seq.seq_id)
+        live = self._live.get(seq.seq_id)
+        seq.num_faults += 1
+        if live is not None and isinstance(error, RECOVERABLE + (CapacityError,)) \
+                and seq.num_faults <= MAX_RECOMPUTES:
+            # A ColdBlockError dropped the block it names, so the next lookup stops before it; anything else
+            # (a full level while restoring the prefix) would fail again the same way: compute it all.
+            seq.skip_prefix_reuse = not isinstance(error, ColdBlockError)
+            self.scheduler.requeue(seq)
+            self.observer.on_fault("recompute")
+            return []
+        self.observer.on_fault("fail")
+        if live is None:
+            self.scheduler.abort(seq.seq_id)
+            return []
+        return [self._fail(live, _client_message(error), error)]
 
     def _postprocess(self, live: _Live, token: int, now: float) -> Delivery:
         seq, params = live.seq, live.request.params

@@ -209,7 +209,8 @@ class Scheduler:
                 break  # no filling-block row for another sequence
             seq = self.policy.next_waiting(self.waiting)
             # Tokens whose KV the prefix cache already holds are not computed again (the cache attaches them).
-            cached = self.budget.cached_prefix_tokens(seq.token_ids(0, seq.num_tokens))
+            cached = 0 if seq.skip_prefix_reuse else \
+                self.budget.cached_prefix_tokens(seq.token_ids(0, seq.num_tokens))
             n = min(seq.num_tokens - cached, tokens_left)
             usage = self._projected_usage(projected, seq, cached + n)
             alone = not self.running and not self.parked  # the watermark must not starve a lone request

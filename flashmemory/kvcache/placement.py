@@ -82,12 +82,16 @@ class Placement:
         """Bring the first `num_blocks` blocks (a reused prefix) up to the levels the policy wants them on: an FP16
         L1 copy decoded from L2 where only that is left, an L0 copy re-quantized from L1."""
         for i in range(num_blocks):
-            block = self.blocks.tables[seq_id].blocks[i]
-            wanted = self.wanted_levels(seq_id, i)
-            if Level.HOST in wanted and Level.HOST not in block.slots:
-                self._restore_to_host(seq_id, i)
-            if Level.DEVICE in wanted and Level.DEVICE not in block.slots:
-                self.promote_to_device(seq_id, i)
+            self.restore_block(seq_id, i)
+
+    def restore_block(self, seq_id: int, index: int) -> None:
+        """Bring one block of a reused prefix up to the levels the policy wants it on (see `restore`)."""
+        block = self.blocks.tables[seq_id].blocks[index]
+        wanted = self.wanted_levels(seq_id, index)
+        if Level.HOST in wanted and Level.HOST not in block.slots:
+            self._restore_to_host(seq_id, index)
+        if Level.DEVICE in wanted and Level.DEVICE not in block.slots:
+            self.promote_to_device(seq_id, index)
 
     def release(self, seq_id: int, keep_cached: bool = True) -> None:
         """Free every slot the sequence holds, on every level; its named blocks stay in the prefix cache unless

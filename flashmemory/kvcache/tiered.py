@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from flashmemory.errors import CapacityError, blame_sequence
+from flashmemory.errors import CapacityError, ColdBlockError, blame_sequence
 from flashmemory.kvcache.attention.backend import AttentionBackend, LevelRead
 from flashmemory.kvcache.attention.registry import select_backend
 from flashmemory.kvcache.config import KV_DTYPE, TieredCacheConfig, level_codecs
@@ -147,9 +147,14 @@ class TieredKVCache(KVCache):
                                         needs_master=self.policy.keeps_master)
         for entry in found:
             self.blocks.share(seq_id, entry)
-        self.placement.restore(seq_id, len(found))
-        for i, entry in enumerate(found):
-            seq.record_digest(i, self._digest_of(entry))
+        for i, entry in enumerate(found):  # block by block, so a read that fails names its block
+            try:
+                self.placement.restore_block(seq_id, i)
+                seq.record_digest(i, self._digest_of(entry))
+            except ColdBlockError as error:  # the caller frees the sequence and computes it again without it
+                self.prefix_cache.drop_bad(entry, error.reason)
+                blame_sequence(error, seq_id)
+                raise
         # The sink and newest reused blocks go into the row as a prefill would have left them (FP16, read there).
         sinks = min(len(found), self.rows.sink // self.cfg.block_size)
         recent = found[max(sinks, len(found) - self.rows.recent // self.cfg.block_size) :] if self.rows.recent else []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
 from flashmemory.kvcache.manager.blocks import BlockEntry, Level
@@ -48,6 +48,7 @@ class PrefixCache:
         self.hit_blocks = {level: 0 for level in Level}  # reused blocks by the level of their fastest copy
         self.evicted_blocks = {level: 0 for level in Level}  # copies dropped to make room, by level
         self.lossy_refusals = 0  # matches cut short at a block whose L1 master was lost (see match)
+        self.bad_blocks: Counter[str] = Counter()  # blocks dropped because a reuse could not read them, by reason
 
     def __len__(self) -> int:
         return len(self.index)
@@ -147,6 +148,12 @@ class PrefixCache:
                 del self.index[entry.block_hash]
             self._unused.pop(entry.block_hash, None)
 
+    def drop_bad(self, entry: BlockEntry, reason: str) -> None:
+        """A reuse could not read the block (a corrupt or lost cold record, `reason` as ColdBlockError's): it leaves
+        the index, so no later prefix match finds it; its slots go back when its last user lets go."""
+        self.forget(entry)
+        self.bad_blocks[reason] += 1
+
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {
             "prefix_cache_queries": self.queried_tokens,  # tokens looked up (vLLM's prefix_cache_queries)
@@ -155,7 +162,10 @@ class PrefixCache:
             "prefix_cache_blocks": len(self.index),
             "prefix_cache_unused_blocks": len(self._unused),
             "prefix_cache_lossy_refusals": self.lossy_refusals,  # reuses cut short at a block only left lossy
+            "prefix_cache_bad_blocks": sum(self.bad_blocks.values()),  # dropped: a reuse could not read them
         }
+        for reason, n in sorted(self.bad_blocks.items()):
+            out[f"prefix_cache_bad_blocks_{reason}"] = n
         for level in Level:
             out[f"L{int(level)}_prefix_hit_blocks"] = self.hit_blocks[level]
             out[f"L{int(level)}_prefix_evicted_blocks"] = self.evicted_blocks[level]
