@@ -260,9 +260,10 @@ class EngineCore:
         seq.num_faults += 1
         if live is not None and isinstance(error, RECOVERABLE + (CapacityError,)) \
                 and seq.num_faults <= MAX_RECOMPUTES:
-            # A ColdBlockError dropped the block it names, so the next lookup stops before it; anything else
-            # (a full level while restoring the prefix) would fail again the same way: compute it all.
-            seq.skip_prefix_reuse = not isinstance(error, ColdBlockError)
+            # Computed again from its tokens alone: the block that failed left the cache, but the older blocks
+            # of the same prefix are read only later, by decode steps, and may be as damaged (a truncated file);
+            # a full level while restoring the prefix would fail the same way again.
+            seq.skip_prefix_reuse = True
             self.scheduler.requeue(seq)
             self.observer.on_fault("recompute")
             return []

@@ -29,8 +29,8 @@ class Sequence:
     num_cached_prefix_tokens: int = 0  # tokens reused from the prefix cache when it was last admitted
     num_faults: int = 0  # failures while serving it (a corrupt cold block, a full disk): recomputed once, then failed
     pinned_spans: tuple[tuple[int, int], ...] = ()  # [start, end) token ranges the cache keeps in L0
-    # Admitted again without the prefix cache: reusing its prefix failed in a way that dropped no block (a full
-    # level while restoring it), so the same lookup would fail the same way.
+    # Admitted again without the prefix cache: reusing its prefix failed (a cached block could not be read, a
+    # level was full while restoring it).
     skip_prefix_reuse: bool = False
 
     @property
