@@ -22,6 +22,7 @@ from pathlib import Path
 from flashmemory.engine.request import SequenceRequest
 from flashmemory.engine.sampling import SamplingParams
 from flashmemory.kvcache.manager.blocks import Level
+from flashmemory.tools.mats.report import Check, SuiteReport, Table
 
 FAULT_KINDS = ("bit flip", "truncation", "deletion")
 NEW_TOKENS = 6
@@ -76,6 +77,25 @@ def run_reuse_faults(model_path: str, folder: str, seed: int, deadline: float, m
         _trial(FlashMemoryEngine, model_path, root / f"trial-{tally.trials}", kind, ids, expected, rng, tally)
         tally.trials += 1
     return tally
+
+
+def report_reuse_faults(report: SuiteReport, tally: ReuseFaultTally, model: str) -> None:
+    """The engine case's table and checks, in MATS-2's report."""
+    report.tables.append(Table(
+        "Prefix reuse through EngineCore with a damaged cold zone (after a restart)",
+        ["fault", "trials", "survived"], [[k, n, tally.survived[k]] for k, n in sorted(tally.faults.items())]))
+    report.checks += [
+        Check("engine deaths on the reuse path", tally.engine_deaths, "== 0", tally.engine_deaths == 0),
+        Check("untouched requests harmed", tally.innocent_harmed, "== 0", tally.innocent_harmed == 0),
+        Check("wrong tokens served after a fault", tally.wrong_answers, "== 0", tally.wrong_answers == 0),
+        Check("KV blocks held after the requests", tally.blocks_left, "== 0", tally.blocks_left == 0),
+    ]
+    report.counters.update({"reuse_trials": tally.trials, "reuse_victims_recomputed": tally.victims_recomputed,
+                            "reuse_victims_failed_alone": tally.victims_failed,
+                            "reuse_bad_blocks_dropped": tally.bad_blocks_dropped})
+    report.notes.append(f"engine case: {tally.trials} trials on {model}")
+    for sample in tally.samples:
+        report.error_samples.append(f"reuse path: {sample}")
 
 
 def _trial(engine_cls, model_path: str, folder: Path, kind: str, ids: list[list[int]],
