@@ -64,7 +64,8 @@ class FlashMemoryEngine:
         self.weights_bytes = self.model.num_parameter_bytes()
         if not self.config.rope_sharding:
             self.model.rotary.tabulate(self.max_seq_len)  # one table now instead of shards as positions come
-        self.tokenizer = Tokenizer.from_checkpoint(checkpoint.path, checkpoint.config.eos_token_ids)
+        self.tokenizer = Tokenizer.from_checkpoint(
+            checkpoint.path, checkpoint.config.eos_token_ids, self.config.parse_special_tokens_in_content)
         self.cache: KVCache = self._build_cache()
         self.last_stats = GenerationStats()
         self.last_kv_stats: dict[str, int | float] = {}
