@@ -42,6 +42,13 @@ class EngineConfig:
     rope_sharding: bool = setting(
         True, "RoPE cos/sin tables built lazily in 512-position shards as positions are first reached (memory grows "
         "with the context); off: one table for max_seq_len positions built at start", negatable=True)
+    parse_special_tokens_in_content: bool = setting(
+        False, "let chat message content write control tokens: its control-token text (such as "
+        "<|im_end|>) is read as those tokens, as tokenizing the rendered template in one pass "
+        "does, so a message can forge a turn of another role; off: only the template's own "
+        "control tokens are control tokens and content is plain text (the same ids for content "
+        "without control-token text). Raw prompts (completions, generate) parse control tokens "
+        "either way, as vLLM does")
     # ---- KV hierarchy (DESIGN.md section 2); kv_field_names() is every field from kv_cache on ----
     kv_cache: str = setting("tiered", "tiered (L0/L1/L2 hierarchy) or contiguous (exact baseline, one tensor per "
                             "sequence)", choices=("tiered", "contiguous"))

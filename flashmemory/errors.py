@@ -74,6 +74,10 @@ class ColdZoneWriteError(FlashMemoryError, OSError):
     """A block could not be written to the cold zone (an I/O error other than a full disk)."""
 
 
+class EngineBusyError(FlashMemoryError, RuntimeError):
+    """An operation that needs an idle engine (clear_cache, reconfigure_kv) met running sequences."""
+
+
 class DeviceLostError(FlashMemoryError, RuntimeError):
     """The compute device failed (a CUDA error poisons its context): the engine cannot go on and must restart."""
 

@@ -28,6 +28,7 @@ ENGINE_SAMPLES = {
     "model_path": "m.gguf", "device": "cpu", "dtype": "float16", "weights_dtype": "q8_0", "max_seq_len": 4096,
     "num_threads": 2,
     "rope_sharding": False,
+    "parse_special_tokens_in_content": True,
     "kv_cache": "contiguous", "kv_precision": "int4", "kv_quant_range": "minmax", "max_gpu_memory_mb": 512,
     "active_window": 64,
     "recent_fp16_tokens": 32,

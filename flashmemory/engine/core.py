@@ -123,6 +123,9 @@ class EngineCore:
     def num_live(self) -> int:
         return len(self._live)
 
+    def live_seq_ids(self) -> list[int]:
+        return list(self._live)
+
     # ---- one step ---------------------------------------------------------------------------------------------
 
     def step(self) -> list[Delivery]:

@@ -20,7 +20,7 @@ from flashmemory.engine.request import SequenceOutput, SequenceRequest
 from flashmemory.engine.scheduling_policy import POLICIES, SchedulingPolicy
 from flashmemory.engine.scoring import ScoreResult, score_tokens
 from flashmemory.engine.stats import GenerationStats, peak_memory
-from flashmemory.errors import ConfigError, FlashMemoryError, PromptTooLongError
+from flashmemory.errors import ConfigError, EngineBusyError, FlashMemoryError, PromptTooLongError
 from flashmemory.engine.sizing import DevicePlan
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
 from flashmemory.kvcache.tiered import TieredKVCache
@@ -64,7 +64,8 @@ class FlashMemoryEngine:
         self.weights_bytes = self.model.num_parameter_bytes()
         if not self.config.rope_sharding:
             self.model.rotary.tabulate(self.max_seq_len)  # one table now instead of shards as positions come
-        self.tokenizer = Tokenizer.from_checkpoint(checkpoint.path, checkpoint.config.eos_token_ids)
+        self.tokenizer = Tokenizer.from_checkpoint(
+            checkpoint.path, checkpoint.config.eos_token_ids, self.config.parse_special_tokens_in_content)
         self.cache: KVCache = self._build_cache()
         self.last_stats = GenerationStats()
         self.last_kv_stats: dict[str, int | float] = {}
@@ -242,14 +243,28 @@ class FlashMemoryEngine:
         defaults = EngineConfig()
         new_config = self.config.replace(**{**{n: getattr(defaults, n) for n in kv_names}, **knobs})
         check_budgets(new_config)
+        self._require_idle("reconfigure_kv()")
         self.close()
         self.config = new_config
         self.cache = self._build_cache()
         self.budget_controller = build_budget_controller(self.config, self.cache, self.device, self._refresh_capacity)
 
     def clear_cache(self) -> None:
-        """Free every sequence's KV on every level."""
+        """Free all KV on every level: every sequence's blocks and the prefix cache's (saved
+        sessions stay until delete_session). EngineBusyError while a sequence is generating."""
+        self._require_idle("clear_cache()")
         self.cache.clear()
+
+    def _require_idle(self, operation: str) -> None:
+        """Refuse an operation that would pull the KV out from under running sequences (a stream
+        mid-way would fail at its next token, and its blocks would be freed under it)."""
+        seq_ids = self._core.live_seq_ids() if self._core is not None else []
+        if seq_ids:
+            raise EngineBusyError(
+                f"{operation} was called while {len(seq_ids)} sequence(s) are generating "
+                f"(sequence id {', '.join(map(str, seq_ids))}); finish them first: run each "
+                "stream() / stream_chat() iterator to its end or call its close(), which frees "
+                "its blocks, then call it again")
 
     def stats(self) -> dict[str, int | float]:
         """KV bytes and blocks per level, selected fractions, bytes moved between levels, load failures."""

@@ -136,6 +136,12 @@ class TieredKVCache(KVCache):
         if self.prefetcher is not None:
             self.prefetcher.forget(seq_id)
 
+    def clear(self) -> None:
+        """Free every sequence, then every cached block no saved session holds, on every level."""
+        super().clear()
+        for level, slot in self.blocks.drop_cached():
+            self.levels[level].free(slot)
+
     def reuse_prefix(self, seq_id: int, token_ids: list[int]) -> int:
         """Give a new (empty) sequence the cached blocks of the longest prefix of `token_ids` they hold (not the last
         token; not past a block that lost its L1 master where the prefill after it reads FP16), brought up to the

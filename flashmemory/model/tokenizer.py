@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from flashmemory.errors import ConfigError, ModelNotFoundError
+from flashmemory.model.chat_tokens import ChatEncoder
 from flashmemory.model.fast_tokenizer import FastTokenizer, TemplateUnsupported
 
 logger = logging.getLogger(__name__)
@@ -90,21 +91,27 @@ def end_of_generation_ids(backend: Any) -> list[int]:
 class Tokenizer:
     """Owns the model's tokenizer (the lean reader or transformers'): encode, decode, chat template, end ids."""
 
-    def __init__(self, backend: Any, eos_token_ids: list[int], path: Path | None = None) -> None:
+    def __init__(self, backend: Any, eos_token_ids: list[int], path: Path | None = None,
+                 parse_special_tokens_in_content: bool = False) -> None:
         self.backend = backend
         self.path = path  # the checkpoint, for a transformers tokenizer made on demand (`hf`)
         ids = set(eos_token_ids)
         if backend.eos_token_id is not None:
             ids.add(int(backend.eos_token_id))
         self.eos_token_ids = frozenset(ids)
+        # False: control-token text in a chat message is text (chat_tokens.py); True: the
+        # rendered template is tokenized in one pass, so a message can write control tokens.
+        self.parse_special_tokens_in_content = parse_special_tokens_in_content
 
     @classmethod
-    def from_checkpoint(cls, path: Path, eos_token_ids: list[int]) -> "Tokenizer":
+    def from_checkpoint(cls, path: Path, eos_token_ids: list[int],
+                        parse_special_tokens_in_content: bool = False) -> "Tokenizer":
         if path.is_file():
             backend = _load_gguf_tokenizer(path)
-            return cls(backend, [*eos_token_ids, *end_of_generation_ids(backend)], path)
+            return cls(backend, [*eos_token_ids, *end_of_generation_ids(backend)], path,
+                       parse_special_tokens_in_content)
         try:
-            return cls(_load_folder(path), eos_token_ids, path)
+            return cls(_load_folder(path), eos_token_ids, path, parse_special_tokens_in_content)
         except (OSError, ValueError) as e:
             raise ModelNotFoundError(
                 f"{path} has no usable tokenizer ({e}); the folder needs tokenizer.json or tokenizer.model "
@@ -120,6 +127,10 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.backend.folder))
+
+    @cached_property
+    def chat_encoder(self) -> ChatEncoder:
+        return ChatEncoder.of(self.backend)
 
     @property
     def vocab_size(self) -> int:
@@ -144,12 +155,22 @@ class Tokenizer:
             return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Ids of the rendered chat template; control-token text in a message's content stays
+        text unless parse_special_tokens_in_content is set."""
         if not self.has_chat_template:
             raise ConfigError("this model's tokenizer has no chat template; send a plain prompt instead of messages")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ConfigError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
-        text = self.chat_text(messages, add_generation_prompt)
+        if self.parse_special_tokens_in_content:
+            return self._encode_rendered(self.chat_text(messages, add_generation_prompt))
+        chat = self.chat_encoder.escape(messages)
+        text = self.chat_text(chat.messages, add_generation_prompt)
+        if not chat.originals:
+            return self._encode_rendered(text)  # no control-token text in any content: one pass
+        return self.chat_encoder.encode(text, chat)
+
+    def _encode_rendered(self, text: str) -> list[int]:
         # The template already wrote any BOS it wants: don't add special tokens twice.
         return self.encode(text, add_special_tokens=False)
 

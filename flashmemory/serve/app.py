@@ -215,8 +215,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(req.model)
         engine = state.worker.engine
         if req.messages is not None:
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-                        for i, m in enumerate(req.messages)]
+            messages = req.chat_messages()
             ids = await asyncio.to_thread(apply_chat_template, state, messages, req.add_generation_prompt)
         elif req.prompt is not None:
             ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, req.add_special_tokens)

@@ -136,10 +136,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> None:
     state.check_model(req.model)
-    bad = req.unsupported()
-    if bad:
-        name = next(iter(bad))
-        raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+    req.check_supported()
     if req.stream and not state.config.enable_streaming:
         raise APIError(400, "streaming is disabled on this server (started without --enable-streaming); send "
                        "stream=false", param="stream", code="streaming_disabled")

@@ -6,7 +6,8 @@ string only a string; a number field takes integers and decimals. The raw body i
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -15,17 +16,57 @@ from flashmemory.errors import PromptTooLongError
 from flashmemory.serve.api_errors import APIError
 
 MAX_STOP_STRINGS = 16
+_TOOLS = "no tool or function calls are run or parsed"
+
+
+def _absent(value: Any) -> bool:
+    return value is None
+
+
+def _off(value: Any) -> bool:
+    """Unset, empty, zero or false: asks for nothing."""
+    return not value
+
+
+def _none_or(*inert: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or any(value == v for v in inert)
+
+
+class Unsupported:
+    """A field of the OpenAI API this server does not implement: the values that ask for nothing,
+    and why any other value is refused."""
+
+    def __init__(self, inert: Callable[[Any], bool], why: str, same_as: str | None = None) -> None:
+        self.inert = inert  # true for the values that ask for nothing
+        self.why = why
+        self.same_as = same_as  # also inert when equal to this field of the request (best_of = n)
+
+    def is_inert(self, request: BaseModel, name: str) -> bool:
+        value = getattr(request, name)
+        same = self.same_as is not None and value == getattr(request, self.same_as)
+        return self.inert(value) or same
 
 
 class _Request(BaseModel):
-    # Unknown fields are ignored, as the OpenAI API and vLLM do; known but unsupported ones are rejected below.
+    # Unknown fields are ignored, as the OpenAI API and vLLM do; known but unsupported ones are
+    # refused: a request that sets one of UNSUPPORTED to anything but an inert value (the default,
+    # "none", an empty list) is a 400 naming the field (`check_supported`), never silently ignored.
     model_config = ConfigDict(extra="ignore", strict=True)
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         # Clients send `"temperature": null` for "not set": take the default, as OpenAI does.
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    def check_supported(self, where: str = "") -> None:
+        """Refuse the first unsupported field that is set: a 400 naming it (`where` + its name)."""
+        for name, rule in self.UNSUPPORTED.items():
+            if not rule.is_inert(self, name):
+                raise APIError(400, f"{where}{name} is not supported by this server ({rule.why}); "
+                               "remove it or leave it unset", param=f"{where}{name}",
+                               code="unsupported_parameter")
 
 
 class StreamOptions(_Request):
@@ -51,17 +92,11 @@ class _GenerationRequest(_Request):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-
-    def unsupported(self) -> dict[str, Any]:
-        """Fields set to something this server does not implement (rejected, never silently ignored)."""
-        out = {}
-        if self.presence_penalty:
-            out["presence_penalty"] = self.presence_penalty
-        if self.frequency_penalty:
-            out["frequency_penalty"] = self.frequency_penalty
-        if self.logit_bias:
-            out["logit_bias"] = self.logit_bias
-        return out
+    UNSUPPORTED = {
+        "presence_penalty": Unsupported(_off, "no penalties are applied"),
+        "frequency_penalty": Unsupported(_off, "no penalties are applied"),
+        "logit_bias": Unsupported(_off, "no logit bias is applied"),
+    }
 
     @property
     def include_usage(self) -> bool:
@@ -84,18 +119,14 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
-
-    def unsupported(self) -> dict[str, Any]:
-        out = super().unsupported()
-        if self.echo:
-            out["echo"] = True
-        if self.logprobs is not None:
-            out["logprobs"] = self.logprobs
-        if self.suffix:
-            out["suffix"] = self.suffix
-        if self.best_of is not None and self.best_of != self.n:
-            out["best_of"] = self.best_of
-        return out
+    UNSUPPORTED = {
+        **_GenerationRequest.UNSUPPORTED,
+        "echo": Unsupported(_off, "the prompt is not echoed"),
+        # logprobs=0 still asks for the chosen tokens' log-probabilities
+        "logprobs": Unsupported(_absent, "log-probabilities are not returned"),
+        "suffix": Unsupported(_off, "there is no insertion mode"),
+        "best_of": Unsupported(_absent, "every sampled choice is returned: use n", same_as="n"),
+    }
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids."""
@@ -116,6 +147,15 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # Tool-call history: without tool calls there is nothing a template could render from these.
+    tool_calls: Any = None
+    function_call: Any = None
+    tool_call_id: Any = None
+    UNSUPPORTED = {
+        "tool_calls": Unsupported(_off, _TOOLS),
+        "function_call": Unsupported(_absent, _TOOLS),
+        "tool_call_id": Unsupported(_absent, _TOOLS),
+    }
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -136,19 +176,32 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # extension (as in vLLM)
-
-    def unsupported(self) -> dict[str, Any]:
-        out = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            out["logprobs"] = True
-        if self.tools:
-            out["tools"] = "tools"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            out["response_format"] = self.response_format
-        return out
+    # Refused unless inert (UNSUPPORTED); typed Any: any value gets that answer, not a type error.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    audio: Any = None
+    modalities: Any = None
+    web_search_options: Any = None
+    UNSUPPORTED = {
+        **_GenerationRequest.UNSUPPORTED,
+        "logprobs": Unsupported(_off, "log-probabilities are not returned"),
+        "top_logprobs": Unsupported(_off, "log-probabilities are not returned"),
+        "tools": Unsupported(_off, _TOOLS),
+        "tool_choice": Unsupported(_none_or("none"), _TOOLS),
+        "functions": Unsupported(_off, _TOOLS),
+        "function_call": Unsupported(_none_or("none"), _TOOLS),
+        "parallel_tool_calls": Unsupported(_absent, _TOOLS),
+        "response_format": Unsupported(lambda v: v is None or v.get("type", "text") == "text",
+                                       "the output is not constrained to JSON"),
+        "audio": Unsupported(_absent, "the models write text only"),
+        "modalities": Unsupported(_none_or(["text"]), "the models write text only"),
+        "web_search_options": Unsupported(_absent, "there is no web search"),
+    }
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -156,9 +209,7 @@ class ChatCompletionRequest(_GenerationRequest):
     def chat_messages(self) -> list[dict[str, str]]:
         if not self.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
-        # "developer" is OpenAI's newer name for the system role; chat templates know "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-                for i, m in enumerate(self.messages)]
+        return template_messages(self.messages)
 
 
 class TokenizeRequest(_Request):
@@ -167,6 +218,18 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return template_messages(self.messages or [])
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as a chat template takes them; one that sets an unsupported field is a 400."""
+    for i, m in enumerate(messages):
+        m.check_supported(f"messages.{i}.")
+    # "developer" is OpenAI's newer name for the system role; chat templates know "system".
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            for i, m in enumerate(messages)]
 
 
 class DetokenizeRequest(_Request):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flashmemory import FlashMemoryEngine
+from flashmemory.errors import EngineBusyError
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.contiguous import ContiguousKVCache
 
@@ -164,3 +165,66 @@ def test_two_sequences_in_one_batch_match_running_them_alone(tiny_llama):
     assert (logits[1:] - alone_b).abs().max() <= 1e-4
     assert cache.num_tokens(1) == 51 and cache.num_tokens(2) == 45
     engine.clear_cache()
+
+
+def _assert_no_kv_held(engine) -> None:
+    s = engine.stats()
+    for level in range(3):
+        assert s[f"L{level}_blocks"] == s[f"L{level}_cached_blocks"] == 0, level
+    assert s["prefix_cache_blocks"] == 0 and s["num_sequences"] == 0 and s["L0_bytes"] == 0
+    assert all(a.num_used == 0 for a in engine.cache.blocks.allocators.values())
+
+
+def test_clear_cache_during_stream_fails_cleanly_and_frees_blocks(tiny_llama):
+    engine = FlashMemoryEngine(model_path=str(tiny_llama), **TINY_LEVELS)
+    prompt = list(range(3, 83))  # 80 tokens: blocks on all three levels (window 16, warm 16)
+    stream = engine.stream(prompt, max_new_tokens=12, ignore_eos=True)
+    next(stream)
+    with pytest.raises(EngineBusyError, match=r"1 sequence.*sequence id 0.*close\(\)"):
+        engine.clear_cache()
+    list(stream)  # the refusal left the stream alone: it runs to its end
+    assert engine.last_stats.num_generated_tokens == 12
+    assert engine.last_stats.finish_reason == "length"
+    held = engine.stats()
+    # The prefix cache kept the finished sequence's blocks, on every level.
+    assert all(held[f"L{level}_cached_blocks"] > 0 for level in range(3))
+    engine.clear_cache()
+    _assert_no_kv_held(engine)
+    # The engine goes on serving, and the cleared prefix is computed again (no hit).
+    engine.generate(prompt, max_new_tokens=2)
+    assert engine.stats()["prefix_cache_hits"] == held["prefix_cache_hits"]
+
+
+def test_clear_cache_after_closing_a_stream_midway_frees_everything(tiny_llama):
+    engine = FlashMemoryEngine(model_path=str(tiny_llama), **TINY_LEVELS)
+    stream = engine.stream(list(range(3, 83)), max_new_tokens=12, ignore_eos=True)
+    next(stream)
+    stream.close()
+    engine.clear_cache()
+    _assert_no_kv_held(engine)
+
+
+def test_reconfigure_kv_during_stream_is_refused_and_the_stream_goes_on(tiny_llama):
+    engine = FlashMemoryEngine(model_path=str(tiny_llama), **TINY_LEVELS)
+    stream = engine.stream(list(range(3, 40)), max_new_tokens=6, ignore_eos=True)
+    next(stream)
+    with pytest.raises(EngineBusyError, match="reconfigure_kv"):
+        engine.reconfigure_kv(**TINY_LEVELS, kv_precision="fp16")
+    list(stream)
+    assert engine.last_stats.num_generated_tokens == 6
+    engine.reconfigure_kv(**TINY_LEVELS, kv_precision="fp16")
+    assert engine.config.kv_precision == "fp16"
+
+
+def test_clear_cache_keeps_saved_sessions(tiny_llama):
+    engine = FlashMemoryEngine(model_path=str(tiny_llama), **TINY_LEVELS)
+    engine.generate(list(range(3, 43)), max_new_tokens=4, ignore_eos=True)
+    kept = engine.save_session("chat")
+    engine.generate(list(range(100, 140)), max_new_tokens=4, ignore_eos=True)  # unsaved
+    engine.clear_cache()
+    s = engine.stats()
+    assert s["prefix_cache_blocks"] == kept // engine.cache.cfg.block_size
+    assert all(s[f"L{level}_cached_blocks"] == 0 for level in range(3))
+    before = s["prefix_cache_hits"]
+    engine.generate(engine.load_session("chat") + [7], max_new_tokens=1)
+    assert engine.stats()["prefix_cache_hits"] - before == kept

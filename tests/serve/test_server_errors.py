@@ -126,3 +126,62 @@ def test_unsupported_content_parts_are_400(http):
     text = {"type": "text", "text": "hello"}
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [text]}], "max_tokens": 2})
     assert r.status_code == 200
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+FUNCTION = {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+
+
+def test_functions_field_is_refused_with_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=2,
+                                       functions=[FUNCTION])
+    err = e.value.body
+    assert err["param"] == "functions" and err["code"] == "unsupported_parameter"
+    assert "functions is not supported" in err["message"] and "remove it" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tools", [{"type": "function", "function": FUNCTION}]),
+        ("tool_choice", "auto"),
+        ("tool_choice", {"type": "function", "function": {"name": "get_weather"}}),
+        ("function_call", "auto"),
+        ("function_call", {"name": "get_weather"}),
+        ("parallel_tool_calls", False),
+        ("response_format", {"type": "json_object"}),
+        ("top_logprobs", 2),
+        ("modalities", ["text", "audio"]),
+        ("web_search_options", {}),
+    ],
+)
+def test_unsupported_chat_field_is_refused_with_400_naming_it(http, field, value):
+    r = http.post("/v1/chat/completions", json={**CHAT, field: value})
+    assert r.status_code == 400
+    err = error_of(r)
+    assert err["param"] == field and err["code"] == "unsupported_parameter"
+    assert "not supported" in err["message"]
+
+
+def test_unsupported_fields_at_their_inert_values_are_accepted(http):
+    inert = {"tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
+             "logprobs": False, "response_format": {"type": "text"}, "modalities": ["text"],
+             "presence_penalty": 0, "parallel_tool_calls": None}
+    r = http.post("/v1/chat/completions", json={**CHAT, **inert})
+    assert r.status_code == 200, r.text
+
+
+def test_tool_call_history_in_messages_is_refused_with_400_naming_it(http):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
+    for route, body in (("/v1/chat/completions", {**CHAT, "messages": messages}),
+                        ("/tokenize", {"messages": messages})):
+        r = http.post(route, json=body)
+        assert r.status_code == 400, route
+        err = error_of(r)
+        assert err["param"] == "messages.1.tool_calls", route
+        assert err["code"] == "unsupported_parameter", route

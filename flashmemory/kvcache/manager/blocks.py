@@ -205,6 +205,19 @@ class BlockManager:
             cache.dropped_copy(block, lv)
         return freed
 
+    def drop_cached(self) -> list[tuple[Level, int]]:
+        """Take every named block nobody uses out of the prefix cache, each copy on every level;
+        returns the (level, slot) pairs freed. Blocks a sequence or a saved session holds stay."""
+        cache = self.prefix_cache
+        freed: list[tuple[Level, int]] = []
+        for block in cache.unused_blocks() if cache is not None else []:
+            for level, slot in block.slots.items():
+                self.allocators[level].free(slot)
+                freed.append((level, slot))
+            block.slots.clear()
+            cache.forget(block)
+        return freed
+
     def allocate(self, level: Level) -> int | None:
         allocator = self.allocators.get(level)
         return None if allocator is None else allocator.allocate()

@@ -182,3 +182,21 @@ def test_evicting_the_last_copy_but_an_l0_one_drops_the_block():
     blocks.free_sequence(1)
     assert sorted(blocks.evict_cached(Level.HOST)) == [(Level.DEVICE, 0), (Level.HOST, 0)]
     assert len(cache) == 0 and all(a.num_used == 0 for a in blocks.allocators.values())
+
+
+def test_drop_cached_frees_every_unused_block_and_keeps_the_ones_in_use():
+    cache = PrefixCache(BS, b"ns")
+    blocks = BlockManager({Level.HOST: 8, Level.DISK: 8}, cache)
+    for seq_id, start in ((1, 0), (2, 100)):
+        blocks.add_sequence(seq_id)
+        _write(blocks, cache, seq_id, list(range(start, start + 12)))
+    disk_slot = blocks.allocate(Level.DISK)  # one unused block has a cold copy too
+    blocks.tables[1].blocks[0].slots[Level.DISK] = disk_slot
+    blocks.free_sequence(1)  # its 3 blocks stay cached; sequence 2's are in use
+    freed = blocks.drop_cached()
+    expected = [(Level.HOST, s) for s in (0, 1, 2)] + [(Level.DISK, disk_slot)]
+    assert sorted(freed) == sorted(expected)
+    assert len(cache) == 3 and cache.num_unused == 0
+    assert blocks.allocators[Level.HOST].num_used == 3
+    assert blocks.allocators[Level.DISK].num_used == 0
+    assert cache.match(list(range(12))) == [] and len(cache.match(list(range(100, 112)))) == 3
