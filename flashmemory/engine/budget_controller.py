@@ -6,8 +6,9 @@ engine thread's busy fraction, from the steps timed through `busy()`), then:
 
 - below `low_utilization` (30 %) for `low_hold_s` (30 s): the budget goes down by `shrink_fraction` (10 %);
 - above `high_utilization` (85 %) for `high_hold_s` (10 s), with L0 serving fewer than `target_l0_hit_rate`
-  (95 %) of the blocks decode steps read over that time: it goes up by `grow_fraction` (5 %), and the hottest
-  blocks that lost their L0 copy are promoted back.
+  (95 %) of the blocks decode steps read over that time (device reads: L0 copies and the FP16 rows of the
+  newest tokens): it goes up by `grow_fraction` (5 %), and the hottest blocks that lost their L0 copy are
+  promoted back.
 
 Hysteresis: the dead band between the two thresholds, the hold times (a condition must hold the whole time, and
 starts over after every adjustment) and a cooldown after each adjustment. Bounds: never above the L0 pool
@@ -61,7 +62,7 @@ class BudgetActuator(Protocol):
         ...
 
     def read_counts(self) -> tuple[int, int]:
-        """(blocks decode steps read from L0, blocks they read from every level), cumulative."""
+        """(blocks decode steps read from device memory, blocks they read from every level), cumulative."""
 
 
 UtilizationSource = Callable[[float, float], "float | None"]  # (interval start, end) -> fraction busy, or None

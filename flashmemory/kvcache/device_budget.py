@@ -31,17 +31,30 @@ class ResizeResult:
 
 class ReadCounter:
     """An attention backend in front of another that counts the blocks decode steps read from each level (per KV
-    head: a block read by every head counts once per head)."""
+    head: a block read by every head counts once per head).
+
+    The FP16 rows of the newest tokens (recent_rows.py: the filling block, recent_fp16_tokens' full blocks, the
+    sinks) live in device memory and stand in for those blocks' L0 copies, so they count as L0 reads (in
+    `row_reads`, a part of `reads[Level.DEVICE]`): with the default row covering the whole window, L0 serves
+    most reads through the row, not through its INT4 copies.
+    """
 
     def __init__(self, inner: AttentionBackend) -> None:
         self.inner = inner
         self.name = inner.name
         self.reads = {level: 0 for level in Level}
+        self.row_reads = 0  # of reads[Level.DEVICE]: blocks attended from the FP16 rows
 
     def decode(self, layer, q, filling, new_k, new_v, reads: list[LevelRead], reader):
         heads = new_k.shape[0]
         for r in reads:
             self.reads[r.level] += r.chosen.numel() if r.chosen is not None else len(r.plan.indices) * heads
+        # filling: [2, heads, m, head_dim] (sinks, recent blocks, filling block) plus new_k's tokens: whole blocks
+        # and the partial one, each read by every head.
+        row_tokens = filling.shape[2] + new_k.shape[1]
+        row_blocks = -(-row_tokens // reader.cfg.block_size) * heads
+        self.reads[Level.DEVICE] += row_blocks
+        self.row_reads += row_blocks
         return self.inner.decode(layer, q, filling, new_k, new_v, reads, reader)
 
     def prefill(self, layer, q, filling, new_k, new_v, reads: list[LevelRead], reader):
@@ -89,7 +102,7 @@ class DeviceBudget:
         return self.device.bytes_per_slot
 
     def read_counts(self) -> tuple[int, int]:
-        """(blocks read from L0, blocks read from every level) by decode steps so far."""
+        """(blocks read from L0, its FP16 rows included, blocks read from every level) by decode steps so far."""
         reads = read_counter(self.cache).reads
         return reads[Level.DEVICE], sum(reads.values())
 

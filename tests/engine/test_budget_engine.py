@@ -62,6 +62,22 @@ def test_a_busy_device_with_l0_misses_raises_the_budget_back(tiny_llama):
     engine.close()
 
 
+def test_a_window_served_from_the_fp16_rows_is_an_l0_hit_and_does_not_grow_the_budget(tiny_llama):
+    # The default row of 128 FP16 tokens covers a 128-token window: every decode read comes from device memory,
+    # none through an INT4 L0 copy. Counted as L0 reads, a busy device has no reason to grow L0.
+    engine = FlashMemoryEngine(model_path=str(tiny_llama), budget_controller=True, block_size=8, active_window=128,
+                               recent_fp16_tokens=128, max_num_seqs=3)
+    controller = engine.budget_controller
+    controller.actuator.resize(controller.floor_slots)
+    engine._refresh_capacity()
+    controller.drive(lambda start, end: 0.95, SteppingClock(1.0))
+    controller.rules = type(controller.rules)(high_hold_s=2.0, cooldown_s=1.0)
+    engine.generate_token_ids([p[:40] for p in PROMPTS], max_new_tokens=30, ignore_eos=True)
+    assert engine.stats()["L0_read_share"] == 1.0
+    assert not any(d.direction == "up" for d in controller.decisions)
+    engine.close()
+
+
 def test_the_budget_controller_needs_the_tiered_cache(tiny_llama):
     with pytest.raises(ConfigError, match="budget_controller=True moves the tiered cache's L0 budget"):
         FlashMemoryEngine(model_path=str(tiny_llama), kv_cache="contiguous", budget_controller=True)

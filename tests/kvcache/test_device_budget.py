@@ -105,6 +105,22 @@ def test_the_read_counter_counts_decode_reads_per_level(tmp_path):
     assert budget.read_counts() == (0, 0)  # prefill is not counted
     seq.forward(cache, 50, 51)
     l0, total = budget.read_counts()
-    assert (l0, total) == (3 * KV_HEADS * LAYERS, 6 * KV_HEADS * LAYERS)
+    # and the filling block (2 tokens and the new one) from its FP16 row in device memory
+    assert (l0, total) == (4 * KV_HEADS * LAYERS, 7 * KV_HEADS * LAYERS)
     assert cache.attention.name in ("native", "torch") and HEADS == 4
+    cache.close()
+
+
+def test_reads_of_the_fp16_rows_count_as_l0_reads(tmp_path):
+    # A row of 128 FP16 tokens covering the whole 128-token window: no decode step reads an INT4 L0 copy, yet
+    # every one of the window's blocks is served from device memory.
+    cache = TieredKVCache(tiny_config(kv_precision="mixed", active_window=128, warm_tokens=64, recent_fp16_tokens=128,
+                                      cold_zone_dir=str(tmp_path)))
+    budget = DeviceBudget(cache)
+    seq = SyntheticSequence(0, 120)
+    cache.add_sequence(0)
+    seq.forward(cache, 0, 100)
+    seq.forward(cache, 100, 101)
+    l0, total = budget.read_counts()
+    assert cache.attention.row_reads == l0 == total == 13 * KV_HEADS * LAYERS  # 12 full blocks, the filling one
     cache.close()
