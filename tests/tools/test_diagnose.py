@@ -54,6 +54,21 @@ def test_the_report_covers_every_stage_pool_route_and_phase(tiny_llama, tmp_path
     engine.close()
 
 
+def test_block_format_weights_are_timed_as_weights_and_the_phases_add_up(tiny_llama, tmp_path):
+    # weights_dtype="q8_0" keeps the projections in GGUF blocks (QuantizedLinear, as the default model's are):
+    # they are not nn.Linear, and were once left to "overhead".
+    from flashmemory.model.linear import QuantizedLinear
+
+    engine = _engine(tiny_llama, tmp_path, weights_dtype="q8_0")
+    assert isinstance(engine.model.layers[0].self_attn.qkv_proj, QuantizedLinear)
+    report = diagnose(engine, prompt_ids(engine, 60), decode_tokens=6, disk_seconds=0)
+    for t in report.time.values():
+        assert t.parts_ms["linear"] > 0 and t.phases_ms["weights"] >= t.parts_ms["linear"]
+        assert sum(t.phases_ms.values()) == pytest.approx(t.ms_per_step, rel=1e-6)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in engine.model.modules())
+    engine.close()
+
+
 def test_the_timers_are_gone_after_the_run_and_answers_do_not_change(tiny_llama, tmp_path):
     # Without the prefix cache: a reused prefix changes the prefill's float rounding, which flips this random
     # model's near-tied tokens (test_prefix_reuse.py covers reuse); this test is about the timers.
