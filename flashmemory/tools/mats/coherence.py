@@ -29,6 +29,7 @@ from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.tiered import TieredKVCache
 from flashmemory.tools.mats.accounting import staged_bytes
 from flashmemory.tools.mats.checker import ShadowChecker
+from flashmemory.tools.mats.device import compute_device
 from flashmemory.tools.mats.driver import CacheDriver
 from flashmemory.tools.mats.faults import FaultLedger, FaultyDiskIO
 from flashmemory.tools.mats.options import MatsOptions
@@ -68,7 +69,8 @@ class CoherenceConfig:
     prefetch_ranker: str  # "predictor" | "lru"
     level_media: tuple[tuple[Level, str], ...] = ()  # a level's storage medium by name (levels/registry.py)
 
-    def cache_config(self, cold_zone_dir: str) -> TieredCacheConfig:
+    def cache_config(self, cold_zone_dir: str, device: torch.device | None = None) -> TieredCacheConfig:
+        """The cache of this shape on `device` (None: the engine's compute device, device.py)."""
         g = GEOMETRY
         return TieredCacheConfig(
             g.num_layers, g.num_kv_heads, g.head_dim, device_slots=20, host_slots=40, disk_slots=160,
@@ -78,7 +80,8 @@ class CoherenceConfig:
             selection_min_tokens=0, warm_budget_tokens=16, selection="quest", kv_precision=self.kv_precision, max_num_seqs=MAX_LIVE,
             cold_zone_dir=cold_zone_dir, model_fingerprint=b"mats", prefetch_strategy=self.prefetch_strategy,
             prefetch_ranker=self.prefetch_ranker, prefetch_budget_bytes=16 * 1024, device_staging_bytes=16 * 1024,
-            attention_backend=self.attention_backend, level_media=dict(self.level_media))
+            attention_backend=self.attention_backend, level_media=dict(self.level_media),
+            device=device or compute_device())
 
 
 CONFIGS = (
@@ -95,6 +98,7 @@ def run_coherence(options: MatsOptions, configs: tuple[CoherenceConfig, ...] | N
     errors, counters, tallies, ledger = ErrorLog(), Counter(), {}, FaultLedger()
     round_s = min(ROUND_S[1], max(ROUND_S[0], options.duration_s / (2 * len(configs))))
     progress = Progress("MATS-2", options.duration_s, options.progress)
+    device = compute_device()
     started = time.monotonic()
     deadline = started + options.duration_s
     with tempfile.TemporaryDirectory(prefix="flashmemory-mats-", dir=options.workdir) as folder, torch_threads(1):
@@ -102,8 +106,8 @@ def run_coherence(options: MatsOptions, configs: tuple[CoherenceConfig, ...] | N
         while time.monotonic() < deadline:
             config = configs[index % len(configs)]
             seed = options.seed * 1_000_003 + index
-            Round(config, seed, folder, errors, counters, tallies, ledger, progress).run(
-                min(deadline, time.monotonic() + round_s))
+            Round(config, seed, folder, errors, counters, tallies, ledger, progress,
+                  config.cache_config(folder, device)).run(min(deadline, time.monotonic() + round_s))
             counters[f"rounds {config.name}"] += 1
             index += 1
     progress.close()
@@ -129,7 +133,8 @@ def run_coherence(options: MatsOptions, configs: tuple[CoherenceConfig, ...] | N
         Check("faults detected", f"{sum(detected.values())} of {sum(injected.values())}", "all",
               sum(detected.values()) == sum(injected.values())),
     ]
-    report.notes += [f"geometry: {GEOMETRY}", f"rounds of {round_s:.1f} s over {len(configs)} configurations: "
+    report.notes += [f"geometry: {GEOMETRY}", f"device: {device}",
+                     f"rounds of {round_s:.1f} s over {len(configs)} configurations: "
                      + "; ".join(c.name for c in configs)]
     if not injected:
         report.warnings.append("no disk fault was injected (run longer)")
