@@ -46,6 +46,9 @@ def test_a_quiet_device_lowers_the_budget_while_generating_and_no_answer_changes
     stats = engine.stats()
     assert stats["L0_budget_bytes"] == controller.actuator.limit_slots * controller.actuator.slot_bytes
     assert stats["budget_adjustments_down"] == len(downs) and stats["L0_read_share"] > 0
+    # the device memory went down with the budget (whole segments of the arena given back)
+    assert stats["L0_bytes_allocated"] < full * controller.actuator.slot_bytes
+    assert downs[-1].to_allocated_bytes == stats["L0_bytes_allocated"] < downs[0].from_allocated_bytes
     engine.close()
 
 
