@@ -51,6 +51,9 @@ def test_the_report_covers_every_stage_pool_route_and_phase(tiny_llama, tmp_path
     assert report.bandwidth["summary"] == "n/a: no GPU"
     assert report.disk["random_iops_parallel"] > 0
     assert 0 < report.selection["L0_read_share"] < 1 and "L2_selected_fraction" in report.selection
+    # The filling block, read from its FP16 row: one block of 2 KV heads in 2 layers, K and V of 8 x 16 halves.
+    rows = report.traffic["attention_reads_per_decode_step"]["L0 rows"]
+    assert rows["blocks_per_step"] == 4 and rows["bytes_per_step"] == 4 * 2 * 8 * 16 * 2
     engine.close()
 
 
