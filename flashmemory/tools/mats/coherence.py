@@ -77,7 +77,8 @@ class CoherenceConfig:
             block_size=g.block_size, active_window=16, warm_tokens=48, semantic_truncate_threshold=0.2,
             # No floor under the L2 budget: with the engine's 256 tokens a step would read every cold block of
             # these short sequences, and the prefetcher, finding all of them read already, would read nothing.
-            selection_min_tokens=0, warm_budget_tokens=16, selection="quest", kv_precision=self.kv_precision, max_num_seqs=MAX_LIVE,
+            selection_min_tokens=0, warm_budget_tokens=16, selection="quest", kv_precision=self.kv_precision,
+            max_num_seqs=MAX_LIVE,
             cold_zone_dir=cold_zone_dir, model_fingerprint=b"mats", prefetch_strategy=self.prefetch_strategy,
             prefetch_ranker=self.prefetch_ranker, prefetch_budget_bytes=16 * 1024, device_staging_bytes=16 * 1024,
             attention_backend=self.attention_backend, level_media=dict(self.level_media),

@@ -1,5 +1,5 @@
-"""MATS-1 and MATS-2 build their caches on the engine's compute device: CUDA where the machine has it, else the
-CPU (the choice is tested here; running on a GPU needs one)."""
+"""MATS-1 and MATS-2 build their caches on the engine's compute device: CUDA where the machine has
+it, else the CPU (the choice is tested here; running on a GPU needs one)."""
 
 from __future__ import annotations
 
