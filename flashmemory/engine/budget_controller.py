@@ -6,13 +6,15 @@ engine thread's busy fraction, from the steps timed through `busy()`), then:
 
 - below `low_utilization` (30 %) for `low_hold_s` (30 s): the budget goes down by `shrink_fraction` (10 %);
 - above `high_utilization` (85 %) for `high_hold_s` (10 s), with L0 serving fewer than `target_l0_hit_rate`
-  (95 %) of the blocks decode steps read over that time: it goes up by `grow_fraction` (5 %), and the hottest
-  blocks that lost their L0 copy are promoted back.
+  (95 %) of the blocks decode steps read over that time (device reads: L0 copies and the FP16 rows of the
+  newest tokens): it goes up by `grow_fraction` (5 %), and the hottest blocks that lost their L0 copy are
+  promoted back.
 
 Hysteresis: the dead band between the two thresholds, the hold times (a condition must hold the whole time, and
 starts over after every adjustment) and a cooldown after each adjustment. Bounds: never above the L0 pool
 preallocated at start-up (max_gpu_memory_mb's share), never below `min_fraction` of it nor below one sequence's
-window. Shrinking demotes blocks and growing promotes them (kvcache/device_budget.py); no sequence is dropped —
+window. Shrinking demotes blocks and gives the freed segments of device memory back (a co-located service can
+take them); growing takes them again and promotes blocks (kvcache/device_budget.py); no sequence is dropped —
 when fewer sequences fit, the scheduler preempts by demotion and resumes them later. Decisions are logged, kept
 in `decisions` and exported as metrics (`flashmemory:kv_budget_bytes{tier="L0"}`,
 `flashmemory:kv_budget_adjustments_total{direction}`).
@@ -56,12 +58,13 @@ class BudgetActuator(Protocol):
     limit_slots: int  # slots in use now
     min_slots: int  # fewest slots one sequence needs
     slot_bytes: int
+    allocated_bytes: int  # device bytes L0's storage holds now
 
-    def resize(self, num_slots: int):  # -> ResizeResult (limit_slots, relocated, demoted, promoted)
+    def resize(self, num_slots: int):  # -> ResizeResult (limit_slots, relocated, demoted, promoted, ...)
         ...
 
     def read_counts(self) -> tuple[int, int]:
-        """(blocks decode steps read from L0, blocks they read from every level), cumulative."""
+        """(blocks decode steps read from device memory, blocks they read from every level), cumulative."""
 
 
 UtilizationSource = Callable[[float, float], "float | None"]  # (interval start, end) -> fraction busy, or None
@@ -81,13 +84,16 @@ class BudgetDecision:
     l0_hit_rate: float | None  # over that time (growing only)
     demoted: int
     promoted: int
+    from_allocated_bytes: int  # device bytes L0's storage held before and after
+    to_allocated_bytes: int
 
     def describe(self) -> str:
         hit = f", L0 served {self.l0_hit_rate:.0%} of reads" if self.l0_hit_rate is not None else ""
         return (f"L0 budget {self.direction}: {self.from_slots} -> {self.to_slots} slots "
                 f"({self.from_slots * self.slot_bytes / MIB:.1f} -> {self.to_slots * self.slot_bytes / MIB:.1f} MiB) "
                 f"after {self.held_s:.0f} s at {self.utilization:.0%} utilization{hit}; "
-                f"{self.demoted} blocks demoted, {self.promoted} promoted")
+                f"{self.demoted} blocks demoted, {self.promoted} promoted; device memory "
+                f"{self.from_allocated_bytes / MIB:.1f} -> {self.to_allocated_bytes / MIB:.1f} MiB")
 
 
 class BusyMeter:
@@ -198,7 +204,7 @@ class BudgetController:
 
     def _adjust(self, direction: str, u: float, held_s: float, hit: float | None, now: float) -> BudgetDecision | None:
         a, r = self.actuator, self.rules
-        before = a.limit_slots
+        before, allocated_before = a.limit_slots, a.allocated_bytes
         if direction == "down":
             target = max(self.floor_slots, min(before - 1, int(before * (1 - r.shrink_fraction))))
         else:
@@ -211,7 +217,7 @@ class BudgetController:
             return None
         result = a.resize(target)
         decision = BudgetDecision(now, direction, before, result.limit_slots, a.slot_bytes, u, held_s, hit,
-                                  result.demoted, result.promoted)
+                                  result.demoted, result.promoted, allocated_before, a.allocated_bytes)
         self.decisions.append(decision)
         logger.info(decision.describe())
         if self.on_resize is not None:

@@ -6,8 +6,12 @@ oldest unpinned L0 copy of any sequence is dropped to make one (its FP16 copy in
 is lost, no sequence is dropped). Growing promotes: blocks the placement policy wants in L0 that lost their L0
 copy under pressure get it back, re-quantized from FP16, newest first. A sequence with no L0 copy at all is parked
 by the scheduler; its promotion is the scheduler's.
-NOTE: the pool's memory stays allocated at its full size; the limit bounds what it holds, so growing never
-allocates and shrinking never frees device memory to the driver.
+
+Device memory follows the limit in whole segments (levels/device_arena.py): after a shrink's moves the arena
+gives back the segments above the limit (and above any pinned block that could not move), and a grow takes them
+again before promoting, never beyond the pool preallocated at start-up (max_gpu_memory_mb's share). A grow the
+device cannot serve (another process took the memory) stops at what the arena holds. An L0 medium that is not a
+DeviceArena keeps its full size; only the limit moves.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashmemory.kvcache.attention.backend import AttentionBackend, LevelRead
+from flashmemory.kvcache.levels.device_arena import DeviceArena
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.manager.slot_limit import LimitedSlotAllocator
 
@@ -27,21 +32,35 @@ class ResizeResult:
     relocated: int  # blocks copied from a slot above the limit to a free one below
     demoted: int  # L0 copies dropped (their other copy stays)
     promoted: int  # L0 copies restored
+    allocated_bytes: int  # device bytes the L0 storage holds afterwards
 
 
 class ReadCounter:
     """An attention backend in front of another that counts the blocks decode steps read from each level (per KV
-    head: a block read by every head counts once per head)."""
+    head: a block read by every head counts once per head).
+
+    The FP16 rows of the newest tokens (recent_rows.py: the filling block, recent_fp16_tokens' full blocks, the
+    sinks) live in device memory and stand in for those blocks' L0 copies, so they count as L0 reads (in
+    `row_reads`, a part of `reads[Level.DEVICE]`): with the default row covering the whole window, L0 serves
+    most reads through the row, not through its INT4 copies.
+    """
 
     def __init__(self, inner: AttentionBackend) -> None:
         self.inner = inner
         self.name = inner.name
         self.reads = {level: 0 for level in Level}
+        self.row_reads = 0  # of reads[Level.DEVICE]: blocks attended from the FP16 rows
 
     def decode(self, layer, q, filling, new_k, new_v, reads: list[LevelRead], reader):
         heads = new_k.shape[0]
         for r in reads:
             self.reads[r.level] += r.chosen.numel() if r.chosen is not None else len(r.plan.indices) * heads
+        # filling: [2, heads, m, head_dim] (sinks, recent blocks, filling block) plus new_k's tokens: whole blocks
+        # and the partial one, each read by every head.
+        row_tokens = filling.shape[2] + new_k.shape[1]
+        row_blocks = -(-row_tokens // reader.cfg.block_size) * heads
+        self.reads[Level.DEVICE] += row_blocks
+        self.row_reads += row_blocks
         return self.inner.decode(layer, q, filling, new_k, new_v, reads, reader)
 
     def prefill(self, layer, q, filling, new_k, new_v, reads: list[LevelRead], reader):
@@ -88,8 +107,15 @@ class DeviceBudget:
     def slot_bytes(self) -> int:
         return self.device.bytes_per_slot
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Device bytes L0's storage holds now (counted by the arena; the full pool for another medium)."""
+        if isinstance(self.device, DeviceArena):
+            return self.device.allocated_bytes
+        return self.device.capacity_bytes
+
     def read_counts(self) -> tuple[int, int]:
-        """(blocks read from L0, blocks read from every level) by decode steps so far."""
+        """(blocks read from L0, its FP16 rows included, blocks read from every level) by decode steps so far."""
         reads = read_counter(self.cache).reads
         return reads[Level.DEVICE], sum(reads.values())
 
@@ -97,8 +123,9 @@ class DeviceBudget:
         """Let L0 use `num_slots` slots (clamped to [min_slots, full_slots]); moves blocks as the module says."""
         limit = max(self.min_slots, min(self.full_slots, num_slots))
         if limit >= self.limit_slots:
+            limit = max(self.limit_slots, min(limit, self._fit_arena(limit)))  # memory first: it may fall short
             self.allocator.set_limit(limit)
-            return ResizeResult(limit, 0, 0, self._promote_hot_blocks())
+            return ResizeResult(limit, 0, 0, self._promote_hot_blocks(), self.allocated_bytes)
         self.allocator.set_limit(limit)
         relocated = demoted = 0
         demoted += self._drop_cached_above_limit()
@@ -117,7 +144,15 @@ class DeviceBudget:
                 demoted += 1
             self._relocate(seq_id, index, slot)
             relocated += 1
-        return ResizeResult(self.limit_slots, relocated, demoted, 0)
+        self._fit_arena(limit)
+        return ResizeResult(self.limit_slots, relocated, demoted, 0, self.allocated_bytes)
+
+    def _fit_arena(self, limit: int) -> int:
+        """Size L0's storage for slots [0, limit) and every used slot; returns the slots it holds."""
+        if not isinstance(self.device, DeviceArena):
+            return self.full_slots
+        used = self.allocator.used_slots()
+        return self.device.fit(max([limit, *(s + 1 for s in used)]), used)
 
     # ---- moves ------------------------------------------------------------------------------------------------
 

@@ -38,6 +38,10 @@ class FakePool:
         self.l0_reads = self.total_reads = 0
         self.resizes: list[int] = []
 
+    @property
+    def allocated_bytes(self) -> int:
+        return self.limit_slots * self.slot_bytes
+
     def resize(self, num_slots: int) -> Result:
         self.resizes.append(num_slots)
         demoted = max(0, self.limit_slots - num_slots)

@@ -46,6 +46,9 @@ def test_a_quiet_device_lowers_the_budget_while_generating_and_no_answer_changes
     stats = engine.stats()
     assert stats["L0_budget_bytes"] == controller.actuator.limit_slots * controller.actuator.slot_bytes
     assert stats["budget_adjustments_down"] == len(downs) and stats["L0_read_share"] > 0
+    # the device memory went down with the budget (whole segments of the arena given back)
+    assert stats["L0_bytes_allocated"] < full * controller.actuator.slot_bytes
+    assert downs[-1].to_allocated_bytes == stats["L0_bytes_allocated"] < downs[0].from_allocated_bytes
     engine.close()
 
 
@@ -59,6 +62,22 @@ def test_a_busy_device_with_l0_misses_raises_the_budget_back(tiny_llama):
     engine.generate_token_ids(PROMPTS, max_new_tokens=40, ignore_eos=True)  # L1/L2 reads: L0 serves < 95 %
     assert any(d.direction == "up" for d in controller.decisions)
     assert controller.actuator.limit_slots > controller.floor_slots
+    engine.close()
+
+
+def test_a_window_served_from_the_fp16_rows_is_an_l0_hit_and_does_not_grow_the_budget(tiny_llama):
+    # The default row of 128 FP16 tokens covers a 128-token window: every decode read comes from device memory,
+    # none through an INT4 L0 copy. Counted as L0 reads, a busy device has no reason to grow L0.
+    engine = FlashMemoryEngine(model_path=str(tiny_llama), budget_controller=True, block_size=8, active_window=128,
+                               recent_fp16_tokens=128, max_num_seqs=3)
+    controller = engine.budget_controller
+    controller.actuator.resize(controller.floor_slots)
+    engine._refresh_capacity()
+    controller.drive(lambda start, end: 0.95, SteppingClock(1.0))
+    controller.rules = type(controller.rules)(high_hold_s=2.0, cooldown_s=1.0)
+    engine.generate_token_ids([p[:40] for p in PROMPTS], max_new_tokens=30, ignore_eos=True)
+    assert engine.stats()["L0_read_share"] == 1.0
+    assert not any(d.direction == "up" for d in controller.decisions)
     engine.close()
 
 

@@ -3,6 +3,8 @@ loses a block), growing promotes back; attention over an exact (fp16, exact-sele
 
 from __future__ import annotations
 
+import torch
+
 from flashmemory.kvcache.device_budget import DeviceBudget
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.tiered import TieredKVCache
@@ -105,6 +107,79 @@ def test_the_read_counter_counts_decode_reads_per_level(tmp_path):
     assert budget.read_counts() == (0, 0)  # prefill is not counted
     seq.forward(cache, 50, 51)
     l0, total = budget.read_counts()
-    assert (l0, total) == (3 * KV_HEADS * LAYERS, 6 * KV_HEADS * LAYERS)
+    # and the filling block (2 tokens and the new one) from its FP16 row in device memory
+    assert (l0, total) == (4 * KV_HEADS * LAYERS, 7 * KV_HEADS * LAYERS)
     assert cache.attention.name in ("native", "torch") and HEADS == 4
+    cache.close()
+
+
+def test_reads_of_the_fp16_rows_count_as_l0_reads(tmp_path):
+    # A row of 128 FP16 tokens covering the whole 128-token window: no decode step reads an INT4 L0 copy, yet
+    # every one of the window's blocks is served from device memory.
+    cache = TieredKVCache(tiny_config(kv_precision="mixed", active_window=128, warm_tokens=64, recent_fp16_tokens=128,
+                                      cold_zone_dir=str(tmp_path)))
+    budget = DeviceBudget(cache)
+    seq = SyntheticSequence(0, 120)
+    cache.add_sequence(0)
+    seq.forward(cache, 0, 100)
+    seq.forward(cache, 100, 101)
+    l0, total = budget.read_counts()
+    assert cache.attention.row_reads == l0 == total == 13 * KV_HEADS * LAYERS  # 12 full blocks, the filling one
+    cache.close()
+
+
+def _l0_records(cache) -> dict[tuple[int, int], dict]:
+    """Every L0 copy's stored parts (cloned), by (seq_id, block index)."""
+    return {(seq_id, i): {n: t.clone() for n, t in cache.levels[Level.DEVICE].read_block(b.slots[Level.DEVICE]).items()}
+            for seq_id, t in cache.blocks.tables.items() for i, b in enumerate(t.blocks) if Level.DEVICE in b.slots}
+
+
+def _same_records(before: dict, after: dict) -> bool:
+    return all(all(torch.equal(parts[n], after[key][n]) for n in parts) for key, parts in before.items()
+               if key in after)
+
+
+def test_shrinking_gives_device_memory_back_and_growing_takes_it_again_with_the_blocks_intact(tmp_path):
+    cache, budget = _cache(tmp_path)
+    arena = cache.levels[Level.DEVICE]
+    seqs = [SyntheticSequence(i, 90, seed=i) for i in range(2)]
+    for seq in seqs:
+        cache.add_sequence(seq.seq_id)
+        seq.forward(cache, 0, 40)
+    full = arena.storage.numel()  # counted from the tensor, not derived from the slot count
+    assert budget.allocated_bytes == full == 64 * budget.slot_bytes == cache.stats()["L0_bytes_allocated"]
+    kept = _l0_records(cache)
+    result = budget.resize(8)
+    assert arena.storage.numel() == result.allocated_bytes == 8 * budget.slot_bytes < full  # two 4-slot segments
+    assert cache.stats()["L0_bytes_allocated"] == 8 * budget.slot_bytes
+    assert _same_records(kept, _l0_records(cache)) and len(_l0_records(cache)) == 6  # every copy stayed, intact
+    _decode_matches_reference(cache, [(seqs[0], 40), (seqs[1], 40)], 12)
+    kept = _l0_records(cache)
+    result = budget.resize(64)
+    assert arena.storage.numel() == result.allocated_bytes == full and result.limit_slots == 64
+    assert _same_records(kept, _l0_records(cache))
+    _decode_matches_reference(cache, [(seqs[0], 52), (seqs[1], 52)], 12)
+    cache.close()
+
+
+def test_a_grow_the_device_cannot_serve_keeps_the_smaller_arena_and_limit(tmp_path, monkeypatch):
+    cache, budget = _cache(tmp_path)
+    arena = cache.levels[Level.DEVICE]
+    seq = SyntheticSequence(0, 90)
+    cache.add_sequence(0)
+    seq.forward(cache, 0, 40)
+    budget.resize(8)
+    kept = _l0_records(cache)
+    allocate = arena._allocate
+
+    def out_of_memory(num_slots: int):
+        if num_slots > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated: another process took it)")
+        return allocate(num_slots)
+
+    monkeypatch.setattr(arena, "_allocate", out_of_memory)
+    result = budget.resize(64)
+    assert result.limit_slots == 8 == budget.limit_slots and result.allocated_bytes == 8 * budget.slot_bytes
+    assert _same_records(kept, _l0_records(cache))
+    _decode_matches_reference(cache, [(seq, 40)], 12)
     cache.close()

@@ -51,6 +51,24 @@ def test_the_report_covers_every_stage_pool_route_and_phase(tiny_llama, tmp_path
     assert report.bandwidth["summary"] == "n/a: no GPU"
     assert report.disk["random_iops_parallel"] > 0
     assert 0 < report.selection["L0_read_share"] < 1 and "L2_selected_fraction" in report.selection
+    # The filling block, read from its FP16 row: one block of 2 KV heads in 2 layers, K and V of 8 x 16 halves.
+    rows = report.traffic["attention_reads_per_decode_step"]["L0 rows"]
+    assert rows["blocks_per_step"] == 4 and rows["bytes_per_step"] == 4 * 2 * 8 * 16 * 2
+    engine.close()
+
+
+def test_block_format_weights_are_timed_as_weights_and_the_phases_add_up(tiny_llama, tmp_path):
+    # weights_dtype="q8_0" keeps the projections in GGUF blocks (QuantizedLinear, as the default model's are):
+    # they are not nn.Linear, and were once left to "overhead".
+    from flashmemory.model.linear import QuantizedLinear
+
+    engine = _engine(tiny_llama, tmp_path, weights_dtype="q8_0")
+    assert isinstance(engine.model.layers[0].self_attn.qkv_proj, QuantizedLinear)
+    report = diagnose(engine, prompt_ids(engine, 60), decode_tokens=6, disk_seconds=0)
+    for t in report.time.values():
+        assert t.parts_ms["linear"] > 0 and t.phases_ms["weights"] >= t.parts_ms["linear"]
+        assert sum(t.phases_ms.values()) == pytest.approx(t.ms_per_step, rel=1e-6)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in engine.model.modules())
     engine.close()
 
 

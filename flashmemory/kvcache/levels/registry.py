@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from flashmemory.kvcache.config import TieredCacheConfig
+from flashmemory.kvcache.levels.device_arena import DeviceArena
 from flashmemory.kvcache.levels.disk_pool import DiskPool
 from flashmemory.kvcache.levels.protocol import StorageLevel
 from flashmemory.kvcache.levels.tensor_pool import TensorPool
@@ -17,7 +18,8 @@ LevelFactory = Callable[[Level, Codec, int, TieredCacheConfig], StorageLevel]
 
 
 def _device_memory(level: Level, codec: Codec, num_slots: int, cfg: TieredCacheConfig) -> StorageLevel:
-    return TensorPool(level, codec, num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.block_size, cfg.head_dim,
+    # Re-sizable in segments: the budget controller gives device memory back when it shrinks L0.
+    return DeviceArena(level, codec, num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.block_size, cfg.head_dim,
                       cfg.device)
 
 

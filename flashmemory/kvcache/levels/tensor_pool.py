@@ -108,8 +108,9 @@ class TensorPool:
     def get_layer_per_head(self, slots: torch.Tensor, layer: int) -> Parts:
         """One layer, each KV head its own slots: slots [heads, n] (long, on the pool's device) -> [heads, n, ...]."""
         heads, n = slots.shape
-        flat = (slots + torch.arange(heads, device=slots.device)[:, None] * self.num_slots).flatten()
-        records = self.storage[layer].view(heads * self.num_slots, self.record_bytes).index_select(0, flat)
+        physical = self.storage.shape[2]  # the slots storage holds (fewer than num_slots in a shrunk DeviceArena)
+        flat = (slots + torch.arange(heads, device=slots.device)[:, None] * physical).flatten()
+        records = self.storage[layer].view(heads * physical, self.record_bytes).index_select(0, flat)
         return self._parts(records.view(heads, n, self.record_bytes))
 
     def get_block(self, slot: int) -> Parts:

@@ -25,6 +25,10 @@ class LimitedSlotAllocator(SlotAllocator):
     def limit(self) -> int:
         return self.num_slots
 
+    def used_slots(self) -> list[int]:
+        """Every used slot, lowest first (the records a re-sized arena must keep)."""
+        return sorted(self._used)
+
     def used_above_limit(self) -> list[int]:
         """Used slots at or above the limit (blocks a shrink still has to move), highest first."""
         return sorted((s for s in self._used if s >= self.num_slots), reverse=True)

@@ -194,7 +194,7 @@ def _exact_selection(c: Context) -> Advice | None:
     if c.cfg.selection != "exact" or c.cfg.kv_cache != "tiered":
         return None
     reads = c.report.traffic.get("attention_reads_per_decode_step", {})
-    older = sum(r["blocks_per_step"] for k, r in reads.items() if k != "L0")
+    older = sum(r["blocks_per_step"] for k, r in reads.items() if not k.startswith("L0"))  # L0 and its rows
     if older <= 0:
         return None
     return Advice(f"decode steps read every older block ({older:,.0f} block reads per step beyond L0; attention "

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from flashmemory.kvcache.config import KV_DTYPE
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.tools.diagnose.pools import PoolLayout
 from flashmemory.tools.diagnose.timers import PHASES, phases_of
@@ -125,7 +126,13 @@ def _traffic(m: Measurement, cache, prefill_s: float, decode_s: float) -> dict[s
             per_head = getattr(storage, "record_bytes", None) if level != Level.DISK else None
             if per_head is None:  # the disk level stores a layer's heads in one segment
                 per_head = storage.segment_bytes // cache.cfg.num_kv_heads
+            count -= m.row_reads_decode if level == Level.DEVICE else 0  # the rows are FP16: apart, below
             reads[f"L{int(level)}"] = {"blocks_per_step": count / steps, "bytes_per_step": count * per_head / steps}
+        if m.row_reads_decode:
+            # K and V of one block and KV head in FP16, as the row holds them (kvcache/recent_rows.py)
+            per_head = 2 * cache.cfg.block_size * cache.cfg.head_dim * KV_DTYPE.itemsize
+            reads["L0 rows"] = {"blocks_per_step": m.row_reads_decode / steps,
+                                "bytes_per_step": m.row_reads_decode * per_head / steps}
     out["attention_reads_per_decode_step"] = reads
     return out
 

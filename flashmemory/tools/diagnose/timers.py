@@ -1,7 +1,8 @@
-"""Timers around the model's parts for one diagnose run: the linear layers and the LM head (weights), the cache's
-attend (attention), its query-aware choice (selection) and the moves and reads between levels (transfers). Every
-timer records exclusive time (a timer inside another is subtracted from the outer one), so the phases of a step
-add up; what no timer covers is overhead (norms, RoPE, activations, sampling, scheduling, Python).
+"""Timers around the model's parts for one diagnose run: the projections (dense or in a GGUF block format), the
+embedding lookup and the LM head (weights), the cache's attend (attention), its query-aware choice (selection)
+and the moves and reads between levels (transfers). Every timer records exclusive time (a timer inside another
+is subtracted from the outer one), so the phases of a step add up; what no timer covers is overhead (norms,
+RoPE, activations, sampling, scheduling, Python).
 
 The timers are installed on the engine's objects for the run only (module hooks, instance attributes) and removed
 afterwards; nothing outside the run is changed. On a GPU each timer synchronizes the device, so the phases are
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from flashmemory.model.linear import QuantizedEmbedding, QuantizedLinear
 
 PHASES = ("weights", "attention", "selection", "transfers", "overhead")
 # What each measured part counts as (the parts are kept apart in the JSON report).
@@ -92,6 +95,16 @@ def timer_cost_s(samples: int = 20000) -> float:
     return (time.perf_counter() - started) / samples
 
 
+def _weights_part(module: torch.nn.Module) -> str | None:
+    """"linear" or "embedding" for a module that multiplies by or looks up weights, dense or in a GGUF block
+    format (QuantizedLinear / QuantizedEmbedding are not nn.Linear / nn.Embedding: the CPU's default model)."""
+    if isinstance(module, (torch.nn.Linear, QuantizedLinear)):
+        return "linear"
+    if isinstance(module, (torch.nn.Embedding, QuantizedEmbedding)):
+        return "embedding"
+    return None
+
+
 def _wrap(obj: Any, method: str, clock: PhaseClock, part: str, stack: ExitStack) -> None:
     """Time obj.method as `part` through an instance attribute, removed when the stack closes."""
     original = getattr(obj, method)
@@ -113,8 +126,7 @@ def instrument(engine, clock: PhaseClock) -> Iterator[dict[str, int]]:
     last = {"tokens": 0}
     with ExitStack() as stack:
         for module in model.modules():
-            name = ("linear" if isinstance(module, torch.nn.Linear)
-                    else "embedding" if isinstance(module, torch.nn.Embedding) else None)
+            name = _weights_part(module)
             if name is None:
                 continue
             stack.callback(module.register_forward_pre_hook(lambda m, a, n=name: clock.begin(n)).remove)

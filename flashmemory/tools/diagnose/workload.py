@@ -72,6 +72,7 @@ class Measurement:
     timer_events: int
     timer_cost_s: float  # one timer's cost, measured before the run
     output_ids: list[int] = field(default_factory=list)
+    row_reads_decode: int = 0  # of reads_decode[L0]: blocks attended from the FP16 rows of the newest tokens
 
     def steps_of(self, kind: str) -> list[StepRecord]:
         return [s for s in self.steps if s.kind == kind]
@@ -91,6 +92,7 @@ def run_workload(engine, ids: list[int], decode_tokens: int) -> Measurement:
     backend = getattr(cache, "attention", None)  # restored afterwards unless a budget controller counts reads
     counter = read_counter(cache) if tiered else None
     reads_before = dict(counter.reads) if counter else {}
+    row_reads_before = counter.row_reads if counter else 0
     core = engine.core
     outputs: list = []
     request = SequenceRequest(0, list(ids), SamplingParams(max_new_tokens=decode_tokens, ignore_eos=True),
@@ -102,6 +104,7 @@ def run_workload(engine, ids: list[int], decode_tokens: int) -> Measurement:
         end_state["stats"] = dict(cache.stats())
         end_state["pools"] = pool_layouts(cache) if tiered else {}
         end_state["reads"] = dict(counter.reads) if counter else {}
+        end_state["row_reads"] = counter.row_reads if counter else 0
         free(seq_id)
 
     stats_before = dict(cache.stats())
@@ -137,4 +140,5 @@ def run_workload(engine, ids: list[int], decode_tokens: int) -> Measurement:
     reads = {level: reads_end.get(level, 0) - reads_before.get(level, 0) for level in reads_end}
     return Measurement(len(ids), decode_tokens, steps, stats_before, stats_after_prefill,
                        end_state.get("stats", dict(cache.stats())), end_state.get("pools", {}), peak, reads,
-                       clock.events, cost, [o.token_id for o in outputs if o.token_id is not None])
+                       clock.events, cost, [o.token_id for o in outputs if o.token_id is not None],
+                       end_state.get("row_reads", row_reads_before) - row_reads_before)

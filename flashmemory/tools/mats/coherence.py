@@ -7,6 +7,8 @@ block writes, slow reads, the file truncated or deleted under the cache. The ran
 heavy mix plus direct reads through the prefetcher and the staging area. Every byte the prefetch subsystem serves
 is checked against the shadow (read_watch.py); every injected fault must end in a ColdBlockError or
 ColdZoneFullError and never be served; no slot may leak, and once every sequence is freed nothing may stay staged.
+However short the run, every round ends only once the prefetcher's reader threads have read ahead
+(prefetch_race.py), and the report fails a run in which they read nothing.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.tiered import TieredKVCache
 from flashmemory.tools.mats.accounting import staged_bytes
 from flashmemory.tools.mats.checker import ShadowChecker
+from flashmemory.tools.mats.device import compute_device
 from flashmemory.tools.mats.driver import CacheDriver
 from flashmemory.tools.mats.faults import FaultLedger, FaultyDiskIO
 from flashmemory.tools.mats.options import MatsOptions
+from flashmemory.tools.mats.prefetch_race import prefetch_reads, race_prefetcher
 from flashmemory.tools.mats.progress import Progress
 from flashmemory.tools.mats.read_watch import (CheckedPerHeadSource, CheckedReadThrough, check_per_head,
                                                watch_segment_reads)
@@ -65,15 +69,20 @@ class CoherenceConfig:
     prefetch_ranker: str  # "predictor" | "lru"
     level_media: tuple[tuple[Level, str], ...] = ()  # a level's storage medium by name (levels/registry.py)
 
-    def cache_config(self, cold_zone_dir: str) -> TieredCacheConfig:
+    def cache_config(self, cold_zone_dir: str, device: torch.device | None = None) -> TieredCacheConfig:
+        """The cache of this shape on `device` (None: the engine's compute device, device.py)."""
         g = GEOMETRY
         return TieredCacheConfig(
             g.num_layers, g.num_kv_heads, g.head_dim, device_slots=20, host_slots=40, disk_slots=160,
             block_size=g.block_size, active_window=16, warm_tokens=48, semantic_truncate_threshold=0.2,
-            warm_budget_tokens=16, selection="quest", kv_precision=self.kv_precision, max_num_seqs=MAX_LIVE,
+            # No floor under the L2 budget: with the engine's 256 tokens a step would read every cold block of
+            # these short sequences, and the prefetcher, finding all of them read already, would read nothing.
+            selection_min_tokens=0, warm_budget_tokens=16, selection="quest", kv_precision=self.kv_precision,
+            max_num_seqs=MAX_LIVE,
             cold_zone_dir=cold_zone_dir, model_fingerprint=b"mats", prefetch_strategy=self.prefetch_strategy,
             prefetch_ranker=self.prefetch_ranker, prefetch_budget_bytes=16 * 1024, device_staging_bytes=16 * 1024,
-            attention_backend=self.attention_backend, level_media=dict(self.level_media))
+            attention_backend=self.attention_backend, level_media=dict(self.level_media),
+            device=device or compute_device())
 
 
 CONFIGS = (
@@ -90,6 +99,7 @@ def run_coherence(options: MatsOptions, configs: tuple[CoherenceConfig, ...] | N
     errors, counters, tallies, ledger = ErrorLog(), Counter(), {}, FaultLedger()
     round_s = min(ROUND_S[1], max(ROUND_S[0], options.duration_s / (2 * len(configs))))
     progress = Progress("MATS-2", options.duration_s, options.progress)
+    device = compute_device()
     started = time.monotonic()
     deadline = started + options.duration_s
     with tempfile.TemporaryDirectory(prefix="flashmemory-mats-", dir=options.workdir) as folder, torch_threads(1):
@@ -97,8 +107,8 @@ def run_coherence(options: MatsOptions, configs: tuple[CoherenceConfig, ...] | N
         while time.monotonic() < deadline:
             config = configs[index % len(configs)]
             seed = options.seed * 1_000_003 + index
-            Round(config, seed, folder, errors, counters, tallies, ledger, progress).run(
-                min(deadline, time.monotonic() + round_s))
+            Round(config, seed, folder, errors, counters, tallies, ledger, progress,
+                  config.cache_config(folder, device)).run(min(deadline, time.monotonic() + round_s))
             counters[f"rounds {config.name}"] += 1
             index += 1
     progress.close()
@@ -115,14 +125,17 @@ def run_coherence(options: MatsOptions, configs: tuple[CoherenceConfig, ...] | N
                                [[kind, n, detected[kind]] for kind, n in sorted(injected.items())]
                                + [["slow read (timing only)", counters["slow_reads"], "-"]]))
     wrong = errors.by_kind["wrong read"] + errors.by_kind["stale read"]
+    raced = prefetch_reads(counters)
     report.checks += [
+        Check("prefetch reads raced", raced, "> 0", raced > 0),
         Check("stale or wrong reads", wrong, "== 0", wrong == 0),
         Check("leaked slots", counters["leaked_slots"], "== 0", counters["leaked_slots"] == 0),
         Check("staging left after free", counters["staged_bytes_left"], "== 0", counters["staged_bytes_left"] == 0),
         Check("faults detected", f"{sum(detected.values())} of {sum(injected.values())}", "all",
               sum(detected.values()) == sum(injected.values())),
     ]
-    report.notes += [f"geometry: {GEOMETRY}", f"rounds of {round_s:.1f} s over {len(configs)} configurations: "
+    report.notes += [f"geometry: {GEOMETRY}", f"device: {device}",
+                     f"rounds of {round_s:.1f} s over {len(configs)} configurations: "
                      + "; ".join(c.name for c in configs)]
     if not injected:
         report.warnings.append("no disk fault was injected (run longer)")
@@ -163,6 +176,7 @@ class Round:
                 self.workload.step()
                 self.progress.update(sum(v for k, v in self.counters.items() if k.startswith("op_")),
                                      self.errors.count, faults=len(self.ledger.faults))
+            self.counters["prefetch_race_steps"] += race_prefetcher(self.driver, MAX_LIVE, lambda: self.file_deleted)
             self.io.flips_armed = self.io.background_flips_armed = 0
             self.io.write_errors_armed.clear()
             self.driver.free_all()

@@ -29,7 +29,6 @@ from flashmemory.tools.mats.reference import dense_attention
 from flashmemory.tools.mats.report import ErrorLog
 from flashmemory.tools.mats.shadow import Geometry, ShadowSequence, Tokens
 
-CPU = torch.device("cpu")
 COLD_ZONE_FAULTS = (ColdBlockError, ColdZoneFullError, ColdZoneWriteError)  # what a faulty disk raises
 REPAIRABLE = (ColdBlockError, ColdZoneWriteError)  # what the engine repairs by recomputing the sequence (once)
 RECOMPUTE_CHUNK_BLOCKS = 4  # a recomputed sequence is prefilled again in chunks of this many blocks
@@ -68,6 +67,9 @@ class CacheDriver:
         self.tolerance = attention_tolerance
         self.on_fault = on_fault or (lambda error: None)  # told of every contained cold-zone failure
         self.quiet = quiet or contextlib.nullcontext  # the reference's own reads run under it (no injected faults)
+        # Forwards run on the cache's device (mats/device.py: the engine's); the shadow and the float64
+        # references stay on the CPU, and what the cache returns is brought there to be checked.
+        self.device = cache.cfg.device
         self.live: dict[int, LiveSequence] = {}
         self._next_id = 0
         self.worst_attention_error = 0.0
@@ -111,11 +113,12 @@ class CacheDriver:
         """A forward that stops part-way (a client gone, a failure): some layers attend, then rollback and free."""
         seq = self.live[seq_id]
         tokens = seq.shadow.new_tokens(num_tokens, self.generator)
-        batch = ForwardBatch.build([(seq_id, seq.num_cached, num_tokens)], CPU)
+        batch = ForwardBatch.build([(seq_id, seq.num_cached, num_tokens)], self.device)
         layers = int(torch.randint(0, self.geometry.num_layers, (1,), generator=self.generator))
         try:
             for layer in range(layers):
-                self.cache.attend(layer, batch, tokens.q[layer], tokens.k[layer].float(), tokens.v[layer].float())
+                self.cache.attend(layer, batch, *self._on_device(tokens.q[layer], tokens.k[layer],
+                                                                 tokens.v[layer]))
         finally:
             self.cache.rollback(batch)
         self.free(seq_id, "sequences_aborted")
@@ -132,7 +135,7 @@ class CacheDriver:
             tokens[seq_id] = (seq.shadow.replay(start, start + n, self.generator) if replay
                               else seq.shadow.new_tokens(n, self.generator))
             entries.append((seq_id, start, n))
-        batch = ForwardBatch.build(entries, CPU)
+        batch = ForwardBatch.build(entries, self.device)
         try:
             with self.quiet():
                 for seq_id, _ in work:
@@ -160,10 +163,15 @@ class CacheDriver:
         outs = []
         for layer in range(self.geometry.num_layers):
             q = torch.cat([tokens[s].q[layer] for s, _ in work])  # [T, heads, D]
-            k = torch.cat([tokens[s].k[layer] for s, _ in work]).float()  # [T, kv_heads, D]
-            v = torch.cat([tokens[s].v[layer] for s, _ in work]).float()
-            outs.append(self.cache.attend(layer, batch, q, k, v))
+            k = torch.cat([tokens[s].k[layer] for s, _ in work])  # [T, kv_heads, D]
+            v = torch.cat([tokens[s].v[layer] for s, _ in work])
+            outs.append(self.cache.attend(layer, batch, *self._on_device(q, k, v)).cpu())
         return torch.stack(outs)  # [layers, T, heads, D]
+
+    def _on_device(self, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of a forward as the model hands them to the cache: float32, on the compute device."""
+        return q.to(self.device), k.to(self.device, torch.float32), v.to(self.device, torch.float32)
 
     def _committed(self, seq_id: int, tokens: Tokens) -> None:
         seq = self.live.get(seq_id)
@@ -245,7 +253,7 @@ class CacheDriver:
             slots = [table[i].slots[level] for i in indices]
             for layer in range(self.geometry.num_layers):
                 parts = storage.read_layer(slots, layer)  # [kv_heads, n, ...]
-                kv = self.cache.codecs[level].decode(parts, torch.float64)  # [2, kv_heads, n, bs, D]
+                kv = self.cache.codecs[level].decode(parts, torch.float64).cpu()  # [2, kv_heads, n, bs, D]
                 for j, index in enumerate(indices):
                     self.checker.check(level, seq.seq_id, index, {n: t[:, j] for n, t in parts.items()}, layer,
                                        "reference read")

@@ -21,6 +21,7 @@ from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.tiered import TieredKVCache
 from flashmemory.tools.mats.accounting import check_accounting
 from flashmemory.tools.mats.checker import ShadowChecker
+from flashmemory.tools.mats.device import compute_device
 from flashmemory.tools.mats.driver import CacheDriver
 from flashmemory.tools.mats.options import MatsOptions
 from flashmemory.tools.mats.progress import Progress
@@ -53,7 +54,9 @@ class StressConfig:
     warm_tokens: int = 16
     level_media: tuple[tuple[Level, str], ...] = ()  # a level's storage medium by name (levels/registry.py)
 
-    def cache_config(self, geometry: Geometry, cold_zone_dir: str) -> TieredCacheConfig:
+    def cache_config(self, geometry: Geometry, cold_zone_dir: str,
+                     device: torch.device | None = None) -> TieredCacheConfig:
+        """The cache of this shape on `device` (None: the engine's compute device, device.py)."""
         return TieredCacheConfig(
             geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, device_slots=self.device_slots,
             host_slots=self.host_slots, disk_slots=self.disk_slots if self.cold_zone else 1,
@@ -61,7 +64,7 @@ class StressConfig:
             selection=self.selection, kv_precision=self.kv_precision, max_num_seqs=MAX_LIVE,
             cold_zone_enabled=self.cold_zone, cold_zone_dir=cold_zone_dir, attention_backend=self.attention_backend,
             semantic_truncate_threshold=0.4, warm_budget_tokens=16, model_fingerprint=b"mats",
-            level_media=dict(self.level_media))
+            level_media=dict(self.level_media), device=device or compute_device())
 
 
 CONFIGS = (
@@ -85,6 +88,7 @@ def run_temporal(options: MatsOptions, configs: tuple[StressConfig, ...] | None 
     worst_attention = 0.0
     round_s = min(MAX_ROUND_S, max(MIN_ROUND_S, options.duration_s / len(configs)))
     progress = Progress("MATS-1", options.duration_s, options.progress)
+    device = compute_device()
     started = time.monotonic()
     deadline = started + options.duration_s
     with tempfile.TemporaryDirectory(prefix="flashmemory-mats-", dir=options.workdir) as folder, torch_threads(1):
@@ -93,7 +97,8 @@ def run_temporal(options: MatsOptions, configs: tuple[StressConfig, ...] | None 
             config = configs[round_index % len(configs)]
             generator = torch.Generator().manual_seed(options.seed * 1_000_003 + round_index)
             round_end = min(deadline, time.monotonic() + round_s)
-            stats, attention = _run_round(config, generator, folder, round_end, errors, counters, tallies, progress)
+            stats, attention = _run_round(config.cache_config(GEOMETRY, folder, device), generator, round_end,
+                                          errors, counters, tallies, progress)
             worst_attention = max(worst_attention, attention)
             per_config[config.name].update(stats)
             round_index += 1
@@ -115,7 +120,8 @@ def run_temporal(options: MatsOptions, configs: tuple[StressConfig, ...] | None 
         Check("worst attention error", worst_attention, f"<= {ATTENTION_TOLERANCE:g}",
               worst_attention <= ATTENTION_TOLERANCE, "vs dense float64 attention over the shadow or the levels"),
     ]
-    report.notes += [f"geometry: {GEOMETRY}", f"{MAX_LIVE} sequences at most, {MAX_TOKENS} tokens each; "
+    report.notes += [f"geometry: {GEOMETRY}", f"device: {device}",
+                     f"{MAX_LIVE} sequences at most, {MAX_TOKENS} tokens each; "
                      f"rounds of {round_s:.1f} s rotating over {len(configs)} configurations"]
     for level in ("L0", "L1", "L2"):
         if tallies.get(level, LevelTally()).reads == 0:
@@ -123,11 +129,11 @@ def run_temporal(options: MatsOptions, configs: tuple[StressConfig, ...] | None 
     return report
 
 
-def _run_round(config: StressConfig, generator: torch.Generator, folder: str, round_end: float, errors: ErrorLog,
+def _run_round(cache_config: TieredCacheConfig, generator: torch.Generator, round_end: float, errors: ErrorLog,
                counters: Counter, tallies: dict[str, LevelTally], progress: Progress) -> tuple[Counter, float]:
     """One cache, one random workload until round_end, then everything freed and the levels checked empty."""
     errors_before = errors.count
-    cache = TieredKVCache(config.cache_config(GEOMETRY, folder))
+    cache = TieredKVCache(cache_config)
     checker = ShadowChecker(cache, {}, errors, tallies)
     driver = CacheDriver(cache, GEOMETRY, generator, MAX_TOKENS, errors, checker, counters, ATTENTION_TOLERANCE)
     workload = RandomWorkload(driver, checker, generator, MAX_LIVE, errors, counters)

@@ -63,6 +63,15 @@ def test_mats2_on_a_sound_cache_detects_every_injected_fault_and_serves_nothing_
     assert checks["stale or wrong reads"].value == 0 and checks["leaked slots"].value == 0
 
 
+def test_mats2_races_the_prefetcher_however_short_the_run(tmp_path):
+    report = run_coherence(MatsOptions(duration_s=0.2, seed=4, workdir=str(tmp_path)))
+    assert report.passed, report.render_text()
+    assert report.counters["prefetch_issued"] > 0
+    assert report.counters["prefetch_completed"] + report.counters["prefetch_dropped_races"] > 0
+    checks = {c.name: c for c in report.checks}
+    assert checks["prefetch reads raced"].passed and checks["prefetch reads raced"].value > 0
+
+
 def test_mats2_reports_a_disk_level_whose_checksums_are_bypassed_and_exits_non_zero(tmp_path, monkeypatch, capsys):
     broken_levels.register(monkeypatch)
     monkeypatch.setitem(coherence.WEIGHTS, "arm_flip", 15)
