@@ -27,6 +27,7 @@ from flashmemory.errors import ColdBlockError, ColdZoneFullError, ColdZoneWriteE
 from flashmemory.kvcache.config import TieredCacheConfig
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.tiered import TieredKVCache
+from flashmemory.model.default_model import default_model_path
 from flashmemory.tools.mats.accounting import staged_bytes
 from flashmemory.tools.mats.checker import ShadowChecker
 from flashmemory.tools.mats.device import compute_device
@@ -38,12 +39,15 @@ from flashmemory.tools.mats.progress import Progress
 from flashmemory.tools.mats.read_watch import (CheckedPerHeadSource, CheckedReadThrough, check_per_head,
                                                watch_segment_reads)
 from flashmemory.tools.mats.report import Check, ErrorLog, SuiteReport, Table
+from flashmemory.tools.mats.reuse_faults import report_reuse_faults, run_reuse_faults
 from flashmemory.tools.mats.shadow import Geometry
 from flashmemory.tools.mats.threads import torch_threads
 from flashmemory.tools.mats.temporal import ATTENTION_TOLERANCE, MAX_LIVE, MAX_TOKENS, check_empty
 from flashmemory.tools.mats.workload import BASE_WEIGHTS, RandomWorkload
 
 GEOMETRY = Geometry()
+ENGINE_SHARE = 0.2  # of the duration, for the engine case through the prefix-reuse path (at least its trials)
+ENGINE_MIN_TRIALS = 3  # one of each fault kind
 ROUND_S = (0.5, 15.0)  # a round's share of the time, at least and at most
 SLOW_READ_PROBABILITY = 0.2
 DRAIN_TIMEOUT_S = 2.0  # staging must be empty this soon after every sequence is freed
@@ -102,15 +106,18 @@ def run_coherence(options: MatsOptions, configs: tuple[CoherenceConfig, ...] | N
     device = compute_device()
     started = time.monotonic()
     deadline = started + options.duration_s
+    cache_deadline = started + (1 - ENGINE_SHARE) * options.duration_s  # then the engine case (reuse_faults.py)
+    model = options.model or str(default_model_path())
     with tempfile.TemporaryDirectory(prefix="flashmemory-mats-", dir=options.workdir) as folder, torch_threads(1):
         index = 0
-        while time.monotonic() < deadline:
+        while time.monotonic() < cache_deadline:
             config = configs[index % len(configs)]
             seed = options.seed * 1_000_003 + index
             Round(config, seed, folder, errors, counters, tallies, ledger, progress,
                   config.cache_config(folder, device)).run(min(deadline, time.monotonic() + round_s))
             counters[f"rounds {config.name}"] += 1
             index += 1
+        reuse = run_reuse_faults(model, folder, options.seed, deadline, ENGINE_MIN_TRIALS)
     progress.close()
     report.elapsed_s = time.monotonic() - started
     report.ops = sum(v for k, v in counters.items() if k.startswith("op_"))
@@ -139,6 +146,7 @@ def run_coherence(options: MatsOptions, configs: tuple[CoherenceConfig, ...] | N
                      + "; ".join(c.name for c in configs)]
     if not injected:
         report.warnings.append("no disk fault was injected (run longer)")
+    report_reuse_faults(report, reuse, model)
     return report
 
 

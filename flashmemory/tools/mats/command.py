@@ -15,7 +15,7 @@ from flashmemory.tools.mats.report import SuiteReport
 
 MAX_DURATION_S = 7 * 24 * 3600.0
 EXIT_PASSED, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
-MATS3_ONLY = ("model", "server_args", "concurrency", "window", "idle", "rss_requests")
+MATS3_ONLY = ("server_args", "concurrency", "window", "idle", "rss_requests")
 
 DESCRIPTION = """\
 KV-memory stress and integrity suites (MATS). Each runs for --duration seconds, prints a text report ending in
@@ -68,7 +68,8 @@ def add_mats_parser(subparsers) -> argparse.ArgumentParser:
                    "temporary folder inside it, removed after; default: the system's temporary folder)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is drawn on a terminal only)")
     m3 = p.add_argument_group("MATS-3 (--level 3) only")
-    m3.add_argument("--model", metavar="PATH", help="the served model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", metavar="PATH", help="MATS-2: the engine case's model; MATS-3: the served model "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
     m3.add_argument("--server-arg", dest="server_args", action="append", metavar="FLAG",
                     help="an extra flag for `python -m flashmemory.serve`, repeatable; quote a flag with its value: "
                          "--server-arg='--active-window 512' (after the suite's defaults, so it wins)")
@@ -92,6 +93,8 @@ def options_from_args(args: argparse.Namespace) -> MatsOptions:
         if given:
             flags = ", ".join("--" + name.replace("_", "-").replace("server-args", "server-arg") for name in given)
             parser.error(f"{flags} apply to --level 3 only (MATS-3 runs a server); this run is --level {args.level}")
+    if args.level == 1 and args.model is not None:
+        parser.error("--model applies to --level 2 (its engine case) and 3 only; MATS-1 runs no model")
     for flag, path in (("--json", args.json), ("--report", args.report)):
         if path is not None and not Path(path).resolve().parent.is_dir():
             parser.error(f"{flag} {path}: the folder {Path(path).resolve().parent} does not exist")

@@ -18,8 +18,8 @@ class MatsOptions:
     seed: int = 0  # every random choice derives from it
     workdir: str | None = None  # where cold-zone files go; None = a private temporary folder, removed after
     progress: bool = False  # draw a tqdm bar (on a terminal)
+    model: str | None = None  # MATS-2's engine case, MATS-3's server; None = the embedded SmolLM2-135M-Instruct
     # MATS-3 only
-    model: str | None = None  # the served model; None = the embedded SmolLM2-135M-Instruct
     server_args: list[str] = field(default_factory=list)  # extra flags for `python -m flashmemory.serve`
     concurrency: int = 6  # clients sending requests at once
     window_s: float | None = None  # latency window length in seconds; None = a tenth of the duration

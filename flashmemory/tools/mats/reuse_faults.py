@@ -65,8 +65,19 @@ def run_reuse_faults(model_path: str, folder: str, seed: int, deadline: float, m
     tally = ReuseFaultTally()
     rng = random.Random(seed)
     root = Path(folder) / "reuse-faults"
-    logging.getLogger("flashmemory.engine.core").setLevel(logging.CRITICAL)  # contained faults log as errors
-    reference = FlashMemoryEngine(model_path=model_path, cold_zone_dir=str(root / "reference"),
+    core_log = logging.getLogger("flashmemory.engine.core")
+    level = core_log.level
+    core_log.setLevel(logging.CRITICAL)  # each contained fault logs an error: expected here
+    try:
+        _trials(FlashMemoryEngine, model_path, root, rng, min_trials, deadline, tally)
+    finally:
+        core_log.setLevel(level)
+    return tally
+
+
+def _trials(engine_cls, model_path: str, root: Path, rng: random.Random, min_trials: int, deadline: float,
+            tally: ReuseFaultTally) -> None:
+    reference = engine_cls(model_path=model_path, cold_zone_dir=str(root / "reference"),
                                   **{**KNOBS, "persist_cache": False, "prefix_caching": False})
     prompts = [d + QUESTION for d in DOCUMENTS] + [INNOCENT]
     ids = [reference.tokenizer.encode(p) for p in prompts]
@@ -74,9 +85,8 @@ def run_reuse_faults(model_path: str, folder: str, seed: int, deadline: float, m
     reference.close()
     while tally.trials < min_trials or time.monotonic() < deadline:
         kind = FAULT_KINDS[tally.trials % len(FAULT_KINDS)]
-        _trial(FlashMemoryEngine, model_path, root / f"trial-{tally.trials}", kind, ids, expected, rng, tally)
+        _trial(engine_cls, model_path, root / f"trial-{tally.trials}", kind, ids, expected, rng, tally)
         tally.trials += 1
-    return tally
 
 
 def report_reuse_faults(report: SuiteReport, tally: ReuseFaultTally, model: str) -> None:

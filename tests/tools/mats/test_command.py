@@ -13,7 +13,7 @@ from flashmemory.tools import testing_cli
     (["mats", "--duration", "soon"], "--duration takes a number of seconds, got 'soon'"),
     (["mats", "--duration", "nan"], "--duration must be > 0"),
     (["mats", "--seed", "-1"], "--seed must be at least 0"),
-    (["mats", "--level", "1", "--model", "x.gguf"], "--model apply to --level 3 only"),
+    (["mats", "--level", "1", "--model", "x.gguf"], "--model applies to --level 2 (its engine case) and 3 only"),
     (["mats", "--level", "2", "--concurrency", "2"], "--concurrency apply to --level 3 only"),
     (["mats", "--json", "/no/such/folder/r.json"], "--json /no/such/folder/r.json: the folder"),
     (["mats", "--level", "3", "--model", "/no/such/model.gguf"], "--model /no/such/model.gguf: no such file"),
