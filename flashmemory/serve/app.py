@@ -171,8 +171,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(mapped)
 
 
-# Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones in a worker thread,
-# so that the loop keeps serving other requests and streams while parse_body's Python steps run.
+# Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones in a
+# worker thread, so that the loop serves other requests and streams between parse_body's steps.
 INLINE_BODY_BYTES = 64 * 1024
 
 

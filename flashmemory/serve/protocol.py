@@ -5,7 +5,7 @@ string only a string; a number field takes integers and decimals. The raw body i
 
 Every list and dict field stops at its first bad item, and `prompt` is validated as the one form
 its first element names: pydantic otherwise reports every bad item, once per accepted type (an
-8 MiB array of floats as the prompt made 8 million errors and took a minute). A bad `prompt` or
+8 MiB array of floats as the prompt made millions of errors and took a minute). A bad `prompt` or
 `tokens` element is named by its index.
 """
 
@@ -29,8 +29,8 @@ from flashmemory.serve.api_errors import APIError
 from flashmemory.serve.body import json_kind, shown_json
 
 MAX_STOP_STRINGS = 16
-PROMPT_FORMS = ("a string, a list of strings, a list of token ids (integers) or a list of token-id "
-                "lists")
+PROMPT_FORMS = ("a string, a list of strings, a list of token ids (integers) or a list of "
+                "token-id lists")
 
 T = TypeVar("T")
 FailFastList = Annotated[list[T], Field(fail_fast=True)]  # validation stops at the first bad item
@@ -135,7 +135,7 @@ class CompletionRequest(_GenerationRequest):
             return handler(data)
         except ValidationError as e:
             fix = f"prompt must be {PROMPT_FORMS}"
-            error = element_error(e, data, "prompt", fix, forms_by_first=True)
+            error = _element_error(e, data, "prompt", fix, forms_by_first=True)
             if error is not None:
                 raise error from None
             raise
@@ -235,13 +235,13 @@ class DetokenizeRequest(_Request):
             return handler(data)
         except ValidationError as e:
             fix = "tokens must be a list of token ids (integers)"
-            error = element_error(e, data, "tokens", fix)
+            error = _element_error(e, data, "tokens", fix)
             if error is not None:
                 raise error from None
             raise
 
 
-def element_error(e: ValidationError, data: Any, field: str, fix: str,
+def _element_error(e: ValidationError, data: Any, field: str, fix: str,
                   forms_by_first: bool = False) -> APIError | None:
     """`field`'s error in `e` as a 400 naming the element by its index (`prompt[3][1]`), what it
     is and the fix; None when `field` has no error or is missing. `forms_by_first`: the first

@@ -38,14 +38,16 @@ CHECKED_PARSE = b'{"x":"NaN 1e999 \\ud83d\\ude00","prompt":['  # takes json.load
 
 HOSTILE = {  # id: (route, body, param, a fragment of the message)
     "escaped-quotes-64KB": (COMPLETIONS, lambda: ESCAPED_QUOTES_64KB, None, "not valid JSON"),
-    "escaped-quotes-8MiB": (COMPLETIONS, _fill(b'{"prompt":"', b'\\"', b""), None, "not valid JSON"),
+    "escaped-quotes-8MiB": (COMPLETIONS, _fill(b'{"prompt":"', b'\\"', b""), None,
+                            "not valid JSON"),
     "float-prompt": (COMPLETIONS, FLOAT_PROMPT, "prompt",
                      "prompt[0] is a float (1.5); prompt must be a string, a list of strings"),
     "unclosed-nesting": (COMPLETIONS, _fill(b'{"prompt":', b"[", b""), None,
                          f"at most {MAX_JSON_DEPTH} levels"),
     "two-million-empty-arrays": (COMPLETIONS, _fill(b'{"prompt":[', b"[],", b"[]]}"), None,
                                  f"at most {MAX_JSON_CONTAINERS}"),
-    "token-id-lists-bad-at-the-end": (COMPLETIONS, _fill(b'{"prompt":[', TOKEN_ID_LIST, b'[1,"x"]]}'),
+    "token-id-lists-bad-at-the-end": (COMPLETIONS,
+                                      _fill(b'{"prompt":[', TOKEN_ID_LIST, b'[1,"x"]]}'),
                                       "prompt", '][1] is a string ("x"); prompt must be'),
     "strings-then-an-integer": (COMPLETIONS, _fill(b'{"prompt":[', b'"a",', b"1]}"), "prompt",
                                 "is an integer (1) but prompt[0] is a string"),
