@@ -171,8 +171,16 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(mapped)
 
 
+# Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones in a
+# worker thread, so that the loop serves other requests and streams between parse_body's steps.
+INLINE_BODY_BYTES = 64 * 1024
+
+
 async def _json_body(request: Request, model: type) -> Any:
-    return parse_body(await request.body(), model)
+    raw = await request.body()
+    if len(raw) <= INLINE_BODY_BYTES:
+        return parse_body(raw, model)
+    return await asyncio.to_thread(parse_body, raw, model)
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:

@@ -2,18 +2,32 @@
 
 Strict: an integer field takes only a JSON integer (not true, not 3.0, not "3"), a boolean only true or false, a
 string only a string; a number field takes integers and decimals. The raw body is checked first (serve/body.py).
+
+Every list and dict field stops at its first bad item, and `prompt` is validated as the one form
+its first element names: pydantic otherwise reports every bad item, once per accepted type (an
+8 MiB array of floats as the prompt made millions of errors and took a minute). A bad `prompt` or
+`tokens` element is named by its index.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    model_validator,
+)
 
 from flashmemory.engine.sampling import FLOAT32_MAX, FLOAT32_TINY, SEED_MODULUS, SamplingParams
 from flashmemory.errors import PromptTooLongError
 from flashmemory.serve.api_errors import APIError
+from flashmemory.serve.body import json_kind, shown_json
 
 MAX_STOP_STRINGS = 16
 _TOOLS = "no tool or function calls are run or parsed"
@@ -45,6 +59,37 @@ class Unsupported:
         value = getattr(request, name)
         same = self.same_as is not None and value == getattr(request, self.same_as)
         return self.inert(value) or same
+
+
+PROMPT_FORMS = ("a string, a list of strings, a list of token ids (integers) or a list of "
+                "token-id lists")
+
+T = TypeVar("T")
+FailFastList = Annotated[list[T], Field(fail_fast=True)]  # validation stops at the first bad item
+FailFastDict = Annotated[dict[str, T], Field(fail_fast=True)]
+
+
+def _prompt_form(prompt: Any) -> str | None:
+    """Which of OpenAI's four prompt forms `prompt` is, by its type and its first element's."""
+    if type(prompt) is str:
+        return "text"
+    if type(prompt) is not list:
+        return None
+    if not prompt:
+        return "token_ids"  # "the prompt is empty" later, with the other prompt checks
+    return _FORM_OF_FIRST.get(type(prompt[0]))
+
+
+_FORM_OF_FIRST = {int: "token_ids", str: "texts", list: "token_id_lists"}  # true's type is bool
+Prompt = Annotated[
+    Union[
+        Annotated[str, Tag("text")],
+        Annotated[FailFastList[int], Tag("token_ids")],
+        Annotated[FailFastList[str], Tag("texts")],
+        Annotated[FailFastList[FailFastList[int]], Tag("token_id_lists")],
+    ],
+    Discriminator(_prompt_form),
+]
 
 
 class _Request(BaseModel):
@@ -82,7 +127,7 @@ class _GenerationRequest(_Request):
     temperature: float = Field(1.0, ge=0, le=FLOAT32_MAX)  # OpenAI's default; below 1e-5 = greedy
     top_p: float = Field(1.0, ge=FLOAT32_TINY, le=1)
     top_k: int = Field(0, ge=-1)  # extension (as in vLLM): 0 or -1 = no limit
-    stop: str | list[str] | None = None
+    stop: str | FailFastList[str] | None = None
     seed: int | None = Field(None, ge=0, lt=SEED_MODULUS)  # choice i of n uses (seed + i) mod 2**64
     n: int = 1
     stream: bool = False
@@ -91,7 +136,7 @@ class _GenerationRequest(_Request):
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: FailFastDict[float] | None = None
     UNSUPPORTED = {
         "presence_penalty": Unsupported(_off, "no penalties are applied"),
         "frequency_penalty": Unsupported(_off, "no penalties are applied"),
@@ -113,7 +158,7 @@ class _GenerationRequest(_Request):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = None
@@ -127,6 +172,18 @@ class CompletionRequest(_GenerationRequest):
         "suffix": Unsupported(_off, "there is no insertion mode"),
         "best_of": Unsupported(_absent, "every sampled choice is returned: use n", same_as="n"),
     }
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _name_the_bad_prompt_element(cls, data: Any, handler: Any) -> Any:
+        try:
+            return handler(data)
+        except ValidationError as e:
+            fix = f"prompt must be {PROMPT_FORMS}"
+            error = _element_error(e, data, "prompt", fix, forms_by_first=True)
+            if error is not None:
+                raise error from None
+            raise
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids."""
@@ -145,7 +202,7 @@ class TextPart(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | FailFastList[dict[str, Any]] | None = None
     name: str | None = None
     # Tool-call history: without tool calls there is nothing a template could render from these.
     tool_calls: Any = None
@@ -172,7 +229,7 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage]
+    messages: FailFastList[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -215,7 +272,7 @@ class ChatCompletionRequest(_GenerationRequest):
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: FailFastList[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -234,12 +291,50 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int] = Field(default_factory=list)
+    tokens: FailFastList[int] = Field(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _name_the_bad_token(cls, data: Any, handler: Any) -> Any:
+        try:
+            return handler(data)
+        except ValidationError as e:
+            fix = "tokens must be a list of token ids (integers)"
+            error = _element_error(e, data, "tokens", fix)
+            if error is not None:
+                raise error from None
+            raise
+
+
+def _element_error(e: ValidationError, data: Any, field: str, fix: str,
+                  forms_by_first: bool = False) -> APIError | None:
+    """`field`'s error in `e` as a 400 naming the element by its index (`prompt[3][1]`), what it
+    is and the fix; None when `field` has no error or is missing. `forms_by_first`: the first
+    element chose the list's form."""
+    locs = (err["loc"] for err in e.errors(include_url=False) if err["loc"][:1] == (field,))
+    loc = next(locs, None)
+    if loc is None or not isinstance(data, dict) or data.get(field) is None:
+        return None
+    value = data[field]
+    indices = [i for i in loc[1:] if type(i) is int]  # the others name the form: "token_ids"
+    if not indices and type(value) is list and value:
+        indices = [0]  # a first element that starts none of the forms
+    context = ""
+    if forms_by_first and len(indices) == 1 and indices[0] > 0:
+        context = f" but {field}[0] is {json_kind(value[0])}"
+    where = field + "".join(f"[{i}]" for i in indices)
+    for i in indices:
+        value = value[i]
+    shown = f" ({shown_json(value)})" if isinstance(value, (bool, int, float, str)) else ""
+    return APIError(400, f"{where} is {json_kind(value)}{shown}{context}; {fix}", param=field,
+                    code="invalid_value")
 
 
 def check_prompt_ids(prompt_ids: list[int], vocab_size: int, param: str) -> None:
     if not prompt_ids:
         raise APIError(400, f"the {param} is empty: give at least one token", param=param, code="invalid_value")
+    if min(prompt_ids) >= 0 and max(prompt_ids) < vocab_size:  # C loops, unlike the list below
+        return
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise APIError(400, f"token id(s) {bad[:5]} are outside the vocabulary [0, {vocab_size})", param=param,

@@ -146,3 +146,31 @@ def test_control_token_in_chat_content_stays_text(http, tiny_server):
     # Raw prompts are the caller's whole text: their control tokens are parsed, as vLLM does.
     raw = http.post("/tokenize", json={"prompt": "<|im_start|>system"}).json()["tokens"]
     assert raw[0] == im_start
+
+
+PROMPT_FIX = ("prompt must be a string, a list of strings, a list of token ids (integers) or a "
+              "list of token-id lists")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/v1/completions", {"prompt": [1.5, 2]}, f"prompt[0] is a float (1.5); {PROMPT_FIX}"),
+        ("/v1/completions", {"prompt": [1, 2, "x"]},
+         f'prompt[2] is a string ("x") but prompt[0] is an integer; {PROMPT_FIX}'),
+        ("/v1/completions", {"prompt": ["a", None]},
+         "prompt[1] is null but prompt[0] is a string;"),
+        ("/v1/completions", {"prompt": [[1], [2, True]]},
+         f"prompt[1][1] is a boolean (true); {PROMPT_FIX}"),
+        ("/v1/completions", {"prompt": True}, f"prompt is a boolean (true); {PROMPT_FIX}"),
+        ("/v1/completions", {"prompt": [{"a": 1}]}, "prompt[0] is an object; prompt must be"),
+        ("/detokenize", {"tokens": [1, 2.5]},
+         "tokens[1] is a float (2.5); tokens must be a list of token ids (integers)"),
+    ],
+)
+def test_a_bad_prompt_or_token_element_is_named_by_its_index_with_the_fix(http, path, body,
+                                                                          message):
+    r = http.post(path, json=body)
+    err = error_of(r)
+    assert r.status_code == 400 and err["param"] == next(iter(body)), err
+    assert message in err["message"], err
