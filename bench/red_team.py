@@ -142,7 +142,8 @@ def hostile_bodies() -> list[tuple[str, str, bytes]]:
         ("functions", chat, b'{"messages":[{"role":"user","content":"hi"}],"functions":[{"name":"f"}]}'),
         ("function_call", chat, b'{"messages":[{"role":"user","content":"hi"}],"function_call":"auto"}'),
         ("tool_choice", chat, b'{"messages":[{"role":"user","content":"hi"}],"tool_choice":"auto"}'),
-        ("tools", chat, b'{"messages":[{"role":"user","content":"hi"}],"tools":[]}'),
+        ("tools", chat, b'{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function",'
+                   b'"function":{"name":"f"}}]}'),
     ]
     return out
 
