@@ -1,0 +1,202 @@
+"""ColdFile: the one open file behind the disk level, from its creation to its replacement.
+
+Private scratch space is a file named after its process in cold_zone_dir (or a private temporary folder), removed
+on close; a persistent cold zone (persist_cache) is the stable kv-cache.cold of a checked folder (cache_folder.py),
+locked while open, kept for the next process. A file deleted under a running process (nlink 0: `rm`, a cleaner) is
+replaced by a new empty one: the blocks it held are lost, which the owner is told through `on_lost`. While no file
+can be made (the folder gone and not re-creatable, no space for it) the level is failed, `failed` says why without
+naming a path (clients and the public /health may see it; the log has the path), and a new try is made at most
+every `retry_interval_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from flashmemory.errors import ConfigError
+from flashmemory.kvcache.levels import cold_files
+from flashmemory.kvcache.levels.cache_folder import CacheFolder, LinkRefusedError
+
+PERSISTENT_NAME = "kv-cache.cold"  # the file of a persistent cold zone (persist_cache)
+RETRY_INTERVAL_S = 5.0  # a failed level (its file deleted, none can be made) tries again this often
+
+log = logging.getLogger(__name__)
+
+
+class ColdFile:
+    """Owns the disk level's file descriptor (and the fds of files deleted under it), its folder and its lock."""
+
+    def __init__(self, size_bytes: int, directory: str | os.PathLike | None, persistent: bool) -> None:
+        self.size_bytes = size_bytes
+        self.persistent = persistent
+        self.folder: CacheFolder | None = None  # the checked folder of a persistent file
+        self.secret = b""  # a persistent file's MAC key (kept in its folder; record_mac.py)
+        self._owned_dir: tempfile.TemporaryDirectory | None = None
+        self._lock = threading.Lock()  # one replacement at a time (reads come from several threads)
+        self._retired_fds: list[int] = []  # files deleted under us: a reader may still hold their fd
+        self.failed: str | None = None  # why no file can serve now, or None
+        self.retry_interval_s = RETRY_INTERVAL_S
+        self._retry_at = 0.0
+        self.num_recreated = 0
+        self.fd = -1
+        if persistent:
+            self._open_persistent(Path(directory) if directory is not None else None)
+        else:
+            self._open_private(directory)
+
+    # ---- opening ------------------------------------------------------------------------------------------------
+
+    def _open_private(self, directory: str | os.PathLike | None) -> None:
+        if directory is None:
+            root = cold_files.default_root()
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"cannot create the cold-zone folder {root} ({e.strerror}); set cold_zone_dir "
+                                  "to a writable folder or cold_zone_enabled=False") from e
+            cold_files.remove_orphan_temp_dirs(root)
+            self._owned_dir = tempfile.TemporaryDirectory(prefix=cold_files.TEMP_DIR_PREFIX, dir=root)
+            directory = self._owned_dir.name
+        folder = Path(directory)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            cold_files.remove_orphans(folder)
+            self.path = folder  # named by _new_private_file
+            self.fd = self._new_private_file(folder)
+        except OSError as e:
+            raise ConfigError(f"cold_zone_dir {str(folder)!r} is not writable or too small ({e.strerror}); choose "
+                              "another folder, lower the cold-zone capacity or set cold_zone_enabled=False") from e
+
+    def _open_persistent(self, folder: Path | None) -> None:
+        """Open (or create) the folder's stable cold-zone file and lock it: one process per folder."""
+        if folder is None:
+            raise ConfigError("persist_cache needs a cold_zone_dir: the folder whose cache survives restarts")
+        self.folder = CacheFolder(folder)
+        self.path = folder / PERSISTENT_NAME
+        try:
+            self.fd = self.folder.open(PERSISTENT_NAME, os.O_RDWR | os.O_CREAT)
+        except LinkRefusedError as e:
+            self.close()
+            raise ConfigError(f"{self.path} is refused: {e.strerror}; the cache never follows links (they could "
+                              "turn its writes onto files outside its folder): remove it, or set cold_zone_dir "
+                              "to the folder you meant") from None
+        except OSError as e:
+            self.close()
+            raise ConfigError(f"cold_zone_dir {str(folder)!r} is not writable ({e.strerror}); choose another "
+                              "folder") from e
+        try:
+            cold_files.hold(self.fd)
+        except OSError:
+            self.close()
+            raise ConfigError(f"cold_zone_dir {str(folder)!r} is in use by another running FlashMemory process "
+                              "(its persistent cache is locked); give each server its own cold_zone_dir") from None
+        try:
+            os.ftruncate(self.fd, self.size_bytes)  # grown or shrunk to this capacity
+            self.secret = self.folder.secret()
+        except OSError as e:
+            self.close()
+            raise ConfigError(f"cannot size the cold zone file {self.path} to {self.size_bytes} bytes, or keep "
+                              f"its key: {e.strerror}; lower cold_zone_gb or free disk space") from e
+        except ConfigError:
+            self.close()
+            raise
+
+    def _new_private_file(self, folder: Path) -> int:
+        fd, name = tempfile.mkstemp(prefix=cold_files.file_prefix(), suffix=".cold", dir=folder)
+        self.path = Path(name)
+        return self._sized_and_held(fd)
+
+    def _new_persistent_file(self) -> int:
+        assert self.folder is not None
+        if self.folder.gone():  # the whole folder was removed: make it again, checked as at start-up
+            folder = CacheFolder(self.folder.path)
+            self.folder.close()
+            self.folder = folder
+            folder.keep_secret(self.secret)  # what this process writes stays verifiable by the next
+        self.folder.remove(PERSISTENT_NAME)  # whatever took its name since: the folder is ours alone
+        return self._sized_and_held(self.folder.open(PERSISTENT_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL))
+
+    def _sized_and_held(self, fd: int) -> int:
+        try:
+            cold_files.hold(fd)
+            os.ftruncate(fd, self.size_bytes)  # sparse: disk is used as blocks are written
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+
+    # ---- a file deleted under us ----------------------------------------------------------------------------------
+
+    def linked(self) -> bool:
+        """The file still has a name (0 links: deleted, though readable through our descriptor)."""
+        return os.fstat(self.fd).st_nlink > 0
+
+    def ensure(self, on_lost: Callable[[], None]) -> bool:
+        """Replace the file if it was deleted under us, after `on_lost()` (its blocks are gone); True when this call
+        found it deleted. While no file can be made, `failed` says why and later calls retry now and then."""
+        if self.failed is None and self.linked():
+            return False
+        with self._lock:
+            found = self.failed is None and not self.linked()
+            if found:
+                on_lost()
+            if found or (self.failed is not None and time.monotonic() >= self._retry_at):
+                self._replace()
+        return found
+
+    def _replace(self) -> None:
+        try:
+            if self.persistent:
+                fd = self._new_persistent_file()
+            else:  # its folder may be gone too (a temp cleaner): made again, private
+                self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                fd = self._new_private_file(self.path.parent)
+        except (OSError, ConfigError) as e:
+            return self._fail(e)
+        self._retired_fds.append(self.fd)
+        self.fd = fd
+        self.failed = None
+        self.num_recreated += 1
+        log.warning("the cold zone goes on in a new file, %s", self.path)
+
+    def _fail(self, e: Exception) -> None:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else "its folder failed the checks"
+        self.failed = (f"the cold-zone file was deleted and cannot be re-created ({reason}); requests compute what "
+                       f"it held again, and a new file is tried every {self.retry_interval_s:g} s")
+        self._retry_at = time.monotonic() + self.retry_interval_s
+        log.error("the cold-zone file %s cannot be re-created: %s", self.path, e)
+
+    # ---- closing --------------------------------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        if self.fd >= 0:
+            os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            if self.persistent:
+                self.sync()
+            os.close(self.fd)
+            self.fd = -1
+            if not self.persistent:
+                try:
+                    self.path.unlink()
+                except OSError:
+                    pass
+        for fd in self._retired_fds:
+            os.close(fd)
+        self._retired_fds.clear()
+        if self.folder is not None:
+            self.folder.close()
+        if self._owned_dir is not None:
+            try:
+                self._owned_dir.cleanup()
+            except OSError:  # deleted under us
+                pass
+            self._owned_dir = None
