@@ -59,6 +59,7 @@ class PrefixStore:
             "persist_records_discarded_invalid": 0,  # entries that failed their own checks
             "persist_records_discarded_stale": 0,  # entries whose slot no longer names them (rewritten, torn)
             "persist_records_discarded_unauthenticated": 0,  # records that do not match their MAC (forged)
+            "persist_records_discarded_namespace": 0,  # entries written under other settings (model, precision...)
             "persist_sessions_discarded": 0,  # saved sessions with a malformed name or token ids
         }
 
@@ -115,7 +116,7 @@ class PrefixStore:
         found.sessions, bad_sessions = valid_sessions(arrays["sessions"], self.geometry.vocab_size)
         self.counters["persist_sessions_discarded"] += bad_sessions
         if bad_sessions:
-            log.warning("%d saved session(s) in %s have a malformed name or token ids and are dropped",
+            log.warning("%d saved session(s) in %s have a malformed name or token ids and are discarded",
                         bad_sessions, self.path.parent)
         if arrays["namespace"].tobytes() != self.namespace:
             # The blocks were computed under other settings; the sessions' token lists are what a user saved, so
@@ -125,6 +126,7 @@ class PrefixStore:
                         f"; the {len(found.sessions)} saved session(s) keep their tokens and are recomputed when "
                         "used" if found.sessions else "")
             found.discarded_namespace = True
+            self.counters["persist_records_discarded_namespace"] += len(arrays["slots"])
             return found, {}
         entries, invalid = valid_entries(arrays, self.geometry)
         digests = self._adopt(entries, prefix_cache, blocks, disk)
@@ -186,16 +188,16 @@ class PrefixStore:
         return digests
 
     def _log_recovery(self, num_blocks: int) -> None:
+        """One line: what came back and what was discarded (a warning when an entry was malformed or a record
+        changed since it was written; a slot rewritten after the index was saved is the normal end of a crash)."""
         c = self.counters
         dropped = {"malformed": c["persist_records_discarded_invalid"],
-                   "whose slot holds something else": c["persist_records_discarded_stale"],
-                   "that fail their MAC": c["persist_records_discarded_unauthenticated"]}
-        if num_blocks or any(dropped.values()):
-            detail = ", ".join(f"{n} {what}" for what, n in dropped.items() if n)
-            log.info("prefix cache recovered from %s: %d blocks%s", self.path.parent, num_blocks,
-                     f" ({detail} discarded)" if detail else "")
-        if c["persist_records_discarded_unauthenticated"]:
-            log.warning("%d cached block(s) in %s do not match their MAC (changed since they were written): they "
-                        "are discarded, not served", c["persist_records_discarded_unauthenticated"],
-                        self.path.parent)
+                   "not matching their MAC (changed since written)": c["persist_records_discarded_unauthenticated"],
+                   "whose slot holds something else": c["persist_records_discarded_stale"]}
+        if not num_blocks and not any(dropped.values()):
+            return
+        detail = ", ".join(f"{n} {what}" for what, n in dropped.items() if n)
+        suspicious = c["persist_records_discarded_invalid"] or c["persist_records_discarded_unauthenticated"]
+        log.log(logging.WARNING if suspicious else logging.INFO, "prefix cache recovered from %s: %d blocks%s",
+                self.path.parent, num_blocks, f"; discarded, not served: {detail}" if detail else "")
 

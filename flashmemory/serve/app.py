@@ -179,7 +179,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
         state.require_ready()
-        return JSONResponse({"status": "ok"})
+        # 200 either way: a degraded server still answers (it computes again what a failed level held).
+        return JSONResponse(state.worker.health)
 
     @app.get("/version")
     async def version() -> Response:

@@ -84,9 +84,10 @@ class CacheFolder:
 
     # ---- files --------------------------------------------------------------------------------------------------
 
-    def open(self, name: str, flags: int, mode: int = 0o600) -> int:
+    def open(self, name: str, flags: int, mode: int = 0o600, owner_only: bool = True) -> int:
         """os.open of `name` in the folder, never through a link (LinkRefusedError) nor onto anything but a regular
-        file of ours with one name (a hard link would make writes land elsewhere too)."""
+        file of ours with one name (a hard link would make writes land elsewhere too); `owner_only`: a file others
+        could read is made 0600."""
         try:
             if _AT_FD:
                 fd = os.open(name, flags | _NOFOLLOW | _CLOEXEC, mode, dir_fd=self.fd)
@@ -104,7 +105,7 @@ class CacheFolder:
             what = "not a regular file" if not stat.S_ISREG(st.st_mode) else (
                 "a hard link to another file" if st.st_nlink > 1 else "owned by another user")
             raise LinkRefusedError(errno.EPERM, f"{name} is {what}")
-        if hasattr(os, "fchmod") and stat.S_IMODE(st.st_mode) & 0o077:
+        if owner_only and hasattr(os, "fchmod") and stat.S_IMODE(st.st_mode) & 0o077:
             os.fchmod(fd, 0o600)  # an older version's file, or one copied in: owner-only from here on
         return fd
 
@@ -142,7 +143,7 @@ class CacheFolder:
         """The folder's MAC key, made on first use; one that is malformed or readable by others is replaced (what
         was written under it stops being trusted: a miss, recomputed)."""
         try:
-            fd = self.open(KEY_NAME, os.O_RDONLY)
+            fd = self.open(KEY_NAME, os.O_RDONLY, owner_only=False)
         except FileNotFoundError:
             return self._new_secret()
         except LinkRefusedError as e:

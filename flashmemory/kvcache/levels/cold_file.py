@@ -2,11 +2,12 @@
 
 Private scratch space is a file named after its process in cold_zone_dir (or a private temporary folder), removed
 on close; a persistent cold zone (persist_cache) is the stable kv-cache.cold of a checked folder (cache_folder.py),
-locked while open, kept for the next process. A file deleted under a running process (nlink 0: `rm`, a cleaner) is
-replaced by a new empty one: the blocks it held are lost, which the owner is told through `on_lost`. While no file
-can be made (the folder gone and not re-creatable, no space for it) the level is failed, `failed` says why without
-naming a path (clients and the public /health may see it; the log has the path), and a new try is made at most
-every `retry_interval_s`.
+locked while open, kept for the next process. A file deleted under a running process (nlink 0: `rm`, a cleaner)
+still reads and writes through our descriptor, so nothing is lost at once; it is replaced by a new file at the
+same place (its folder made again if it went too) with the live records copied over, so the cache is visible,
+bounded and persistent again. While no new file can be made (no space, the folder not re-creatable) the deleted one
+keeps serving, `failed` says why without naming a path (the public /health shows it; the log has the path), and a
+new try is made at most every `retry_interval_s`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from flashmemory.kvcache.levels import cold_files
 from flashmemory.kvcache.levels.cache_folder import CacheFolder, LinkRefusedError
 
 PERSISTENT_NAME = "kv-cache.cold"  # the file of a persistent cold zone (persist_cache)
-RETRY_INTERVAL_S = 5.0  # a failed level (its file deleted, none can be made) tries again this often
+RETRY_INTERVAL_S = 5.0  # a file deleted under us that could not be replaced: the next try is this much later
+COPY_CHUNK_BYTES = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +40,10 @@ class ColdFile:
         self.folder: CacheFolder | None = None  # the checked folder of a persistent file
         self.secret = b""  # a persistent file's MAC key (kept in its folder; record_mac.py)
         self._owned_dir: tempfile.TemporaryDirectory | None = None
-        self._lock = threading.Lock()  # one replacement at a time (reads come from several threads)
+        # Held by a replacement and by every write (the writer's thread), so no write lands in a file being left.
+        self.lock = threading.RLock()
         self._retired_fds: list[int] = []  # files deleted under us: a reader may still hold their fd
-        self.failed: str | None = None  # why no file can serve now, or None
+        self.failed: str | None = None  # why the file in use has no name (deleted, not replaceable), or None
         self.retry_interval_s = RETRY_INTERVAL_S
         self._retry_at = 0.0
         self.num_recreated = 0
@@ -67,8 +70,7 @@ class ColdFile:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             cold_files.remove_orphans(folder)
-            self.path = folder  # named by _new_private_file
-            self.fd = self._new_private_file(folder)
+            self.fd, self.path = self._new_private_file(folder)
         except OSError as e:
             raise ConfigError(f"cold_zone_dir {str(folder)!r} is not writable or too small ({e.strerror}); choose "
                               "another folder, lower the cold-zone capacity or set cold_zone_enabled=False") from e
@@ -107,10 +109,9 @@ class ColdFile:
             self.close()
             raise
 
-    def _new_private_file(self, folder: Path) -> int:
+    def _new_private_file(self, folder: Path) -> tuple[int, Path]:
         fd, name = tempfile.mkstemp(prefix=cold_files.file_prefix(), suffix=".cold", dir=folder)
-        self.path = Path(name)
-        return self._sized_and_held(fd)
+        return self._sized_and_held(fd), Path(name)
 
     def _new_persistent_file(self) -> int:
         assert self.folder is not None
@@ -137,38 +138,49 @@ class ColdFile:
         """The file still has a name (0 links: deleted, though readable through our descriptor)."""
         return os.fstat(self.fd).st_nlink > 0
 
-    def ensure(self, on_lost: Callable[[], None]) -> bool:
-        """Replace the file if it was deleted under us, after `on_lost()` (its blocks are gone); True when this call
-        found it deleted. While no file can be made, `failed` says why and later calls retry now and then."""
+    def ensure(self, live_ranges: Callable[[], list[tuple[int, int]]]) -> bool:
+        """If the file was deleted under us, move to a new one holding the byte ranges `live_ranges()` names (the
+        records in use), copied from the deleted file; True when this call found it deleted."""
         if self.failed is None and self.linked():
             return False
-        with self._lock:
+        with self.lock:
             found = self.failed is None and not self.linked()
             if found:
-                on_lost()
+                log.warning("the cold-zone file %s was deleted while in use: its blocks move to a new file", self.path)
             if found or (self.failed is not None and time.monotonic() >= self._retry_at):
-                self._replace()
+                self._replace(live_ranges())
         return found
 
-    def _replace(self) -> None:
+    def _replace(self, ranges: list[tuple[int, int]]) -> None:
         try:
             if self.persistent:
-                fd = self._new_persistent_file()
+                fd, path = self._new_persistent_file(), self.path
             else:  # its folder may be gone too (a temp cleaner): made again, private
                 self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                fd = self._new_private_file(self.path.parent)
+                fd, path = self._new_private_file(self.path.parent)
         except (OSError, ConfigError) as e:
             return self._fail(e)
-        self._retired_fds.append(self.fd)
-        self.fd = fd
+        try:
+            _copy(self.fd, fd, ranges)
+        except OSError as e:
+            os.close(fd)
+            if self.folder is not None:
+                self.folder.remove(PERSISTENT_NAME)
+            else:
+                path.unlink(missing_ok=True)
+            return self._fail(e)
+        self._retired_fds.append(self.fd)  # a reader may be between taking it and reading
+        self.fd, self.path = fd, path
         self.failed = None
         self.num_recreated += 1
-        log.warning("the cold zone goes on in a new file, %s", self.path)
+        log.warning("the cold zone goes on in a new file, %s (%d records carried over)", self.path, len(ranges))
 
     def _fail(self, e: Exception) -> None:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else "its folder failed the checks"
-        self.failed = (f"the cold-zone file was deleted and cannot be re-created ({reason}); requests compute what "
-                       f"it held again, and a new file is tried every {self.retry_interval_s:g} s")
+        kept = "; the cache will not survive a restart" if self.persistent else ""
+        self.failed = (f"the cold-zone file was deleted and cannot be re-created ({reason}): its blocks are served "
+                       f"from the deleted file meanwhile, whose space is freed only at exit{kept}; a new file is "
+                       f"tried every {self.retry_interval_s:g} s")
         self._retry_at = time.monotonic() + self.retry_interval_s
         log.error("the cold-zone file %s cannot be re-created: %s", self.path, e)
 
@@ -200,3 +212,20 @@ class ColdFile:
             except OSError:  # deleted under us
                 pass
             self._owned_dir = None
+
+
+def _copy(src: int, dst: int, ranges: list[tuple[int, int]]) -> None:
+    """Copy the byte ranges (offset, length) of file `src` to the same offsets of `dst` (a short source leaves the
+    rest a hole, which the records' checksums then refuse)."""
+    for offset, length in ranges:
+        end = offset + length
+        while offset < end:
+            data = os.pread(src, min(COPY_CHUNK_BYTES, end - offset), offset)
+            if not data:
+                break
+            view = memoryview(data)
+            while view:
+                written = os.pwrite(dst, view, offset)
+                if written <= 0:
+                    raise OSError(0, f"the new file accepted none of {len(view)} bytes")
+                view, offset = view[written:], offset + written

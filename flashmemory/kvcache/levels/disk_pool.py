@@ -9,9 +9,9 @@ followed, 0600), kept for the next process (locked while open); there every reco
 
 A read verifies the file still exists, is long enough, and that the segment's crc32 matches what was
 written; any failure raises ColdBlockError and is counted by reason. A corrupt block is never served.
-A file deleted under a running process is re-created empty (its blocks are lost, recomputed by whoever needed
-them); while it cannot be, the level is failed (`health` says why) and retried every `retry_interval_s`.
-NOTE: error messages name no file (clients may see them); the log does.
+A file deleted under a running process loses nothing: it is re-created with the live records carried over
+(cold_file.py); while it cannot be, `health` says why. NOTE: error messages name no file (clients may see them);
+the log does.
 """
 
 from __future__ import annotations
@@ -175,16 +175,13 @@ class DiskPool:
         self._generations[slot] = self._generations.get(slot, 0) + 1
         self._crcs.pop(slot, None)  # from here until the write completes, the slot serves nothing
         self._tags.pop(slot, None)
-        self._ensure_file()
-        if self.file.failed is not None:
-            with self._counter_lock:
-                self.write_failures["io"] += 1
-            raise ColdZoneWriteError(f"the cold zone cannot take blocks now: {self.file.failed}")
         segments = [self._segment(parts, layer) for layer in range(self.num_layers)]
         crcs = [zlib.crc32(s) for s in segments]
         record = self.shape.pack(name, crcs) + b"".join(segments)
         try:
-            self.io.pwrite(self._fd, record, slot * self.record_bytes)
+            with self.file.lock:  # not into a file a replacement is leaving
+                self._ensure_file()
+                self.io.pwrite(self._fd, record, slot * self.record_bytes)
         except OSError as e:
             full = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
             with self._counter_lock:
@@ -239,36 +236,24 @@ class DiskPool:
         return data
 
     def check_file(self) -> None:
-        """Raise ColdBlockError("missing") when the cold-zone file was deleted under us (its blocks are lost; a new
-        file takes the next ones) or the level is failed."""
-        if self._ensure_file():
-            raise self._fail("missing", "the cold-zone file was deleted while in use: its blocks are lost (a new "
-                             "file is in place; they are computed again)", count=False)
-        if self.file.failed is not None:
-            raise self._fail("missing", f"the cold zone is unavailable: {self.file.failed}", count=False)
+        """Move to a new file if the cold-zone file was deleted under us (its blocks carried over, see cold_file);
+        ColdBlockError("missing") once the pool is closed (a read-ahead thread outliving it)."""
+        if self._fd < 0:
+            raise self._fail("missing", "the cold zone is closed")
+        self._ensure_file()
 
     def health(self) -> str | None:
-        """Why the level cannot serve now, or None: probes the file (re-creating it if it was deleted)."""
+        """Why the level is not as it should be (its file deleted and not replaceable), or None: probes the file."""
         self._ensure_file()
         return self.file.failed
 
-    def _ensure_file(self) -> bool:
-        """True when this call found the file deleted: every slot then serves nothing (counted once)."""
-        found = self.file.ensure(self._lose_every_block)
-        if found and self.uncached_reads and self.file.failed is None:
+    def _ensure_file(self) -> None:
+        if self.file.ensure(self._live_ranges) and self.uncached_reads and self.file.failed is None:
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
-        return found
 
-    def _lose_every_block(self) -> None:
-        lost = len(self._crcs)
-        for slot in list(self._crcs):  # a copy read ahead (prefetch) is not served either
-            self._generations[slot] = self._generations.get(slot, 0) + 1
-        self._crcs.clear()
-        self._tags.clear()
-        with self._counter_lock:
-            self.load_failures["missing"] += 1
-        log.warning("the cold-zone file %s was deleted while in use: the %d blocks it held are lost and computed "
-                    "again when needed", self.path, lost)
+    def _live_ranges(self) -> list[tuple[int, int]]:
+        """The byte ranges of the records in use (what a new file must hold), in file order."""
+        return [(slot * self.record_bytes, self.record_bytes) for slot in sorted(self._crcs)]
 
     def counters(self) -> dict[str, int]:
         with self._counter_lock:
