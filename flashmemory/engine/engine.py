@@ -260,8 +260,8 @@ class FlashMemoryEngine:
         return out
 
     def health(self) -> dict[str, Any]:
-        """{"status": "ok"}, or "degraded" with the reasons: a KV level that cannot serve now (its file deleted and
-        not re-creatable), whose blocks requests compute again. The reasons name no file (/health is public)."""
+        """{"status": "ok"}, or "degraded" with the reasons: a KV level not as it should be (its
+        file deleted and not re-creatable). The reasons name no file (/health is public)."""
         levels = getattr(self.cache, "levels", {})
         reasons = [f"L{int(level)}: {reason}" for level, pool in levels.items()
                    if (reason := pool.health()) is not None]

@@ -1,14 +1,16 @@
-"""PrefixStore: the prefix cache across restarts (persist_cache). Next to the persistent L2 file, an index names
-what each slot holds (block name, tokens, key digest, the record's MAC) plus the saved sessions; it is written
-atomically (a new owner-only temporary file, fsync, rename) after the L2 file is synced, at a clean shutdown and when
-a session is saved, and authenticated with the cache's key (prefix_index.py has the format).
+"""PrefixStore: the prefix cache across restarts (persist_cache). Next to the persistent L2 file,
+an index names what each slot holds (block name, tokens, key digest, the record's MAC) plus the
+saved sessions. It is written atomically (a new owner-only temporary file, fsync, rename) after
+the L2 file is synced, at a clean shutdown and when a session is saved, and authenticated with
+the cache's key (prefix_index.py has the format).
 
-At start-up the index is read back as untrusted input: an index that cannot be believed as a whole (unreadable,
-another format, a MAC that does not match, arrays that disagree) is discarded with one log line and the cache starts
-empty; one of another namespace (model file, precision, block size) discards its blocks but keeps its sessions'
-tokens. Each remaining entry must pass its own checks, its slot's header must still name it, and its record must
-match its MAC (so a record rewritten with fresh CRCs is a miss, not garbage served); the rest become cached blocks
-on L2, reused like any other. What was discarded is counted (`stats`) and logged in one line.
+At start-up the index is read back as untrusted input. One that cannot be believed as a whole
+(unreadable, another format, a MAC that does not match, arrays that disagree) is discarded with
+one log line and the cache starts empty; one of another namespace (model file, precision, block
+size) discards its blocks but keeps its sessions' tokens. Each remaining entry must pass its own
+checks, its slot's header must still name it, and its record must match its MAC (a record
+rewritten with fresh CRCs is a miss, not garbage served); the rest become cached blocks on L2,
+reused like any other. What was discarded is counted (`stats`) and logged in one line.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from flashmemory.kvcache.levels.disk_pool import DiskPool
 from flashmemory.kvcache.levels.record_mac import TAG_BYTES
 from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
 from flashmemory.kvcache.manager.prefix_cache import PrefixCache
-from flashmemory.kvcache.prefix_index import (INDEX_NAME, INDEX_VERSION, Entry, IndexGeometry, IndexRejected,
-                                              read_index, valid_entries, valid_sessions, write_index)
+from flashmemory.kvcache.prefix_index import (INDEX_NAME, INDEX_VERSION, Entry, IndexGeometry,
+                                              IndexRejected, read_index, valid_entries,
+                                              valid_sessions, write_index)
 
 log = logging.getLogger(__name__)
 
@@ -41,57 +44,61 @@ class Recovered:
     """What start-up found in the folder."""
 
     num_blocks: int = 0  # cached blocks back on L2
-    discarded_namespace: bool = False  # the whole index belonged to another model / precision / block size
+    discarded_namespace: bool = False  # the index belonged to another model / precision / block
     sessions: dict[str, list[int]] = field(default_factory=dict)
 
 
 class PrefixStore:
-    """Owns the index file of a persistent cold zone: saving it, recovering the cache from it, and the counts of
-    what recovery refused."""
+    """Owns the index file of a persistent cold zone: saving it, recovering the cache from it,
+    and the counts of what recovery refused."""
 
-    def __init__(self, folder: str | os.PathLike, namespace: bytes, geometry: IndexGeometry) -> None:
+    def __init__(self, folder: str | os.PathLike, namespace: bytes,
+                 geometry: IndexGeometry) -> None:
         self.path = Path(folder) / INDEX_NAME
         self.namespace = namespace
         self.geometry = geometry
         self.counters = {
-            "persist_index_discarded": 0,  # index files not believed as a whole (the cache started empty)
+            "persist_index_discarded": 0,  # index files not believed (the cache started empty)
             "persist_records_recovered": 0,  # blocks back on L2 from the previous process
             "persist_records_discarded_invalid": 0,  # entries that failed their own checks
-            "persist_records_discarded_stale": 0,  # entries whose slot no longer names them (rewritten, torn)
-            "persist_records_discarded_unauthenticated": 0,  # records that do not match their MAC (forged)
-            "persist_records_discarded_namespace": 0,  # entries written under other settings (model, precision...)
+            "persist_records_discarded_stale": 0,  # their slot no longer names them (rewritten)
+            "persist_records_discarded_unauthenticated": 0,  # records not matching their MAC
+            "persist_records_discarded_namespace": 0,  # written under other settings
             "persist_sessions_discarded": 0,  # saved sessions with a malformed name or token ids
         }
 
     @classmethod
     def for_config(cls, cfg: TieredCacheConfig) -> PrefixStore:
         digest = (cfg.num_layers, cfg.num_kv_heads, cfg.digest_boxes * 2 * cfg.head_dim)
-        assert cfg.cold_zone_dir is not None  # persist_cache is refused without one (engine/sizing.py)
+        assert cfg.cold_zone_dir is not None  # persist_cache needs one (engine/sizing.py)
         return cls(cfg.cold_zone_dir, cfg.prefix_namespace(),
                    IndexGeometry(cfg.block_size, digest, cfg.disk_slots, cfg.vocab_size))
 
     def stats(self) -> dict[str, int]:
         return dict(self.counters)
 
-    # ---- saving -------------------------------------------------------------------------------------------------
+    # ---- saving ------------------------------------------------------------------------------
 
     def save(self, prefix_cache: PrefixCache, disk: DiskPool, digests: dict[int, torch.Tensor],
              sessions: dict[str, list[int]]) -> int:
-        """Index every named block with a copy on L2 (their digests from `digests`, by name); returns the count."""
+        """Index every named block with a copy on L2 (their digests from `digests`, by name);
+        returns the count."""
         folder, signer = disk.folder, disk.signer
-        assert folder is not None and signer is not None, "a persistent prefix cache needs a persistent L2 file"
-        entries = [e for e in prefix_cache.index.values()
-                   if Level.DISK in e.slots and e.token_ids is not None and disk.tag_of(e.slots[Level.DISK])]
+        assert folder is not None and signer is not None, "a persistent L2 file is needed"
+        entries = [e for e in prefix_cache.index.values() if Level.DISK in e.slots
+                   and e.token_ids is not None and disk.tag_of(e.slots[Level.DISK])]
         disk.sync()  # the blocks reach the disk before an index that names them
         n = len(entries)
+        digest_list = [digests[e.block_hash].to(torch.float16).cpu().numpy() for e in entries]
         arrays = {
             "version": np.array([INDEX_VERSION], dtype="<i8"),
             "namespace": np.frombuffer(self.namespace, dtype=np.uint8),
             "names": np.array([list(e.block_hash.to_bytes(16, "little")) for e in entries],
                               dtype=np.uint8).reshape(n, 16),
             "slots": np.array([e.slots[Level.DISK] for e in entries], dtype="<i8"),
-            "tokens": np.array([e.token_ids for e in entries], dtype="<i4").reshape(n, prefix_cache.block_size),
-            "digests": np.stack([digests[e.block_hash].to(torch.float16).cpu().numpy() for e in entries]) if n
+            "tokens": np.array([e.token_ids for e in entries],
+                               dtype="<i4").reshape(n, prefix_cache.block_size),
+            "digests": np.stack(digest_list) if n
             else np.zeros((0, *self.geometry.digest_shape), dtype="<f2"),
             "tags": np.array([list(disk.tag_of(e.slots[Level.DISK])) for e in entries],
                              dtype=np.uint8).reshape(n, TAG_BYTES),
@@ -102,13 +109,15 @@ class PrefixStore:
             write_index(f, arrays, signer)
             f.flush()
             os.fsync(f.fileno())
-        folder.replace(TEMP_NAME, INDEX_NAME)  # atomic: a reader sees the old index or the new one, never half
+        folder.replace(TEMP_NAME, INDEX_NAME)  # atomic: the old index or the new, never half
         return n
 
-    # ---- recovering ---------------------------------------------------------------------------------------------
+    # ---- recovering --------------------------------------------------------------------------
 
-    def load(self, prefix_cache: PrefixCache, blocks: BlockManager, disk: DiskPool) -> tuple[Recovered, dict]:
-        """Recover the cached blocks the index names; returns what happened and their digests (name -> tensor)."""
+    def load(self, prefix_cache: PrefixCache, blocks: BlockManager,
+             disk: DiskPool) -> tuple[Recovered, dict]:
+        """Recover the cached blocks the index names; returns what happened and their digests
+        (name -> tensor)."""
         found = Recovered()
         arrays = self._read(disk)
         if arrays is None:
@@ -116,15 +125,16 @@ class PrefixStore:
         found.sessions, bad_sessions = valid_sessions(arrays["sessions"], self.geometry.vocab_size)
         self.counters["persist_sessions_discarded"] += bad_sessions
         if bad_sessions:
-            log.warning("%d saved session(s) in %s have a malformed name or token ids and are discarded",
-                        bad_sessions, self.path.parent)
+            log.warning("%d saved session(s) in %s have a malformed name or token ids and are "
+                        "discarded", bad_sessions, self.path.parent)
         if arrays["namespace"].tobytes() != self.namespace:
-            # The blocks were computed under other settings; the sessions' token lists are what a user saved, so
-            # they are kept and their KV is computed again when a prompt uses them.
-            log.warning("discarding the %d cached blocks in %s: they belong to another model file, KV precision, "
-                        "quantization range, block size or digest boxes%s", len(arrays["slots"]), self.path.parent,
-                        f"; the {len(found.sessions)} saved session(s) keep their tokens and are recomputed when "
-                        "used" if found.sessions else "")
+            # The blocks were computed under other settings; the sessions' token lists are what a
+            # user saved, so they are kept and their KV is computed again when a prompt uses them.
+            kept = (f"; the {len(found.sessions)} saved session(s) keep their tokens and are "
+                    "recomputed when used") if found.sessions else ""
+            log.warning("discarding the %d cached blocks in %s: they belong to another model "
+                        "file, KV precision, quantization range, block size or digest boxes%s",
+                        len(arrays["slots"]), self.path.parent, kept)
             found.discarded_namespace = True
             self.counters["persist_records_discarded_namespace"] += len(arrays["slots"])
             return found, {}
@@ -139,7 +149,7 @@ class PrefixStore:
     def _read(self, disk: DiskPool) -> dict[str, np.ndarray] | None:
         """The index's arrays, or None (no index, or one discarded: logged once and counted)."""
         folder, signer = disk.folder, disk.signer
-        assert folder is not None and signer is not None, "a persistent prefix cache needs a persistent L2 file"
+        assert folder is not None and signer is not None, "a persistent L2 file is needed"
         try:
             fd = folder.open(INDEX_NAME, os.O_RDONLY)
         except FileNotFoundError:
@@ -157,17 +167,18 @@ class PrefixStore:
     def _discard(self, reason: str) -> None:
         """Count and log an index not believed; returns None (nothing recovered)."""
         self.counters["persist_index_discarded"] += 1
-        log.warning("discarding the prefix-cache index in %s (%s): the cache starts empty and is written again as "
-                    "prompts come", self.path.parent, reason)
+        log.warning("discarding the prefix-cache index in %s (%s): the cache starts empty and is "
+                    "written again as prompts come", self.path.parent, reason)
         return None
 
     def _adopt(self, entries: list[Entry], prefix_cache: PrefixCache, blocks: BlockManager,
                disk: DiskPool) -> dict[int, torch.Tensor]:
-        """Serve each entry whose slot still names it and whose record matches its MAC; their digests by name."""
+        """Serve each entry whose slot still names it and whose record matches its MAC; returns
+        their digests by name."""
         assert disk.signer is not None
         digests: dict[int, torch.Tensor] = {}
         taken: set[int] = set()
-        for entry in sorted(entries, key=lambda e: e.slot):  # in file order: one pass over the disk
+        for entry in sorted(entries, key=lambda e: e.slot):  # in file order: one pass
             record = disk.read_record(entry.slot)
             header = disk.shape.parse(record)
             if header is None or header[0] != entry.name:
@@ -188,16 +199,19 @@ class PrefixStore:
         return digests
 
     def _log_recovery(self, num_blocks: int) -> None:
-        """One line: what came back and what was discarded (a warning when an entry was malformed or a record
-        changed since it was written; a slot rewritten after the index was saved is the normal end of a crash)."""
+        """One line: what came back and what was discarded; a warning when an entry was malformed
+        or a record changed since it was written (a slot rewritten after the index was saved is
+        the normal end of a crash)."""
         c = self.counters
         dropped = {"malformed": c["persist_records_discarded_invalid"],
-                   "not matching their MAC (changed since written)": c["persist_records_discarded_unauthenticated"],
+                   "not matching their MAC (changed since written)":
+                       c["persist_records_discarded_unauthenticated"],
                    "whose slot holds something else": c["persist_records_discarded_stale"]}
         if not num_blocks and not any(dropped.values()):
             return
         detail = ", ".join(f"{n} {what}" for what, n in dropped.items() if n)
-        suspicious = c["persist_records_discarded_invalid"] or c["persist_records_discarded_unauthenticated"]
-        log.log(logging.WARNING if suspicious else logging.INFO, "prefix cache recovered from %s: %d blocks%s",
-                self.path.parent, num_blocks, f"; discarded, not served: {detail}" if detail else "")
-
+        suspicious = (c["persist_records_discarded_invalid"]
+                      or c["persist_records_discarded_unauthenticated"])
+        log.log(logging.WARNING if suspicious else logging.INFO,
+                "prefix cache recovered from %s: %d blocks%s", self.path.parent, num_blocks,
+                f"; discarded, not served: {detail}" if detail else "")

@@ -73,7 +73,8 @@ class TieredKVCache(KVCache):
             self.choice_observers.append(self.trace)
         self.sessions: CacheSessions | None = None  # named conversations and (persist_cache) the saved index
         if self.prefix_cache is not None:
-            store = PrefixStore.for_config(cfg) if cfg.persist_cache and Level.DISK in self.levels else None
+            persistent = cfg.persist_cache and Level.DISK in self.levels
+            store = PrefixStore.for_config(cfg) if persistent else None
             self.sessions = CacheSessions(self.prefix_cache, self.blocks, self.levels, self.placement,
                                           self._computed_digest, store, cfg.block_size)
         prefetch = build_prefetch(cfg, self.levels)

@@ -179,7 +179,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
         state.require_ready()
-        # 200 either way: a degraded server still answers (it computes again what a failed level held).
+        # 200 either way: a degraded server still answers every request.
         return JSONResponse(state.worker.health)
 
     @app.get("/version")

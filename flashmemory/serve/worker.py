@@ -79,7 +79,7 @@ class EngineWorker:
         self.engine: Any = None
         self.core: EngineCore | None = None
         self.kv_stats: dict[str, int | float] = {}  # latest snapshot, replaced whole after every step
-        self.health: dict[str, Any] = {"status": "ok"}  # the engine's, refreshed with kv_stats (GET /health)
+        self.health: dict[str, Any] = {"status": "ok"}  # the engine's (GET /health), as kv_stats
         self._outbox: list[Delivery] = []  # sent after each step's bookkeeping is published
 
     @property

@@ -130,15 +130,18 @@ def test_a_malformed_index_never_stops_the_engine_starting(tiny_llama, tmp_path,
     expected = first.generate(prompt, max_new_tokens=8, ignore_eos=True)
     first.close()
     index = tmp_path / INDEX_NAME
-    index.write_bytes(index.read_bytes()[: index.stat().st_size // 2])  # torn by a crash, or tampered with
+    index.write_bytes(index.read_bytes()[: index.stat().st_size // 2])  # torn, or tampered with
     with caplog.at_level(logging.WARNING, logger="flashmemory.kvcache.prefix_store"):
         second = _engine(tiny_llama, tmp_path)  # starts, every time
-    assert len([r for r in caplog.records if "discarding the prefix-cache index" in r.getMessage()]) == 1
-    assert second.stats()["persist_index_discarded"] == 1 and second.stats()["prefix_cache_blocks"] == 0
+    lines = [r for r in caplog.records if "discarding the prefix-cache index" in r.getMessage()]
+    stats = second.stats()
+    assert len(lines) == 1 and stats["persist_index_discarded"] == 1
+    assert stats["prefix_cache_blocks"] == 0
     assert second.generate(prompt, max_new_tokens=8, ignore_eos=True) == expected
     second.close()
     third = _engine(tiny_llama, tmp_path)  # the index written at that shutdown is whole again
-    assert third.stats()["persist_index_discarded"] == 0 and third.stats()["persist_records_recovered"] > 0
+    stats = third.stats()
+    assert stats["persist_index_discarded"] == 0 and stats["persist_records_recovered"] > 0
     third.close()
 
 
@@ -147,13 +150,14 @@ def test_a_forged_record_with_valid_checksums_is_recomputed_not_served(tiny_llam
     first = _engine(tiny_llama, tmp_path)
     expected = first.generate(prompt, max_new_tokens=8, ignore_eos=True)
     pool = first.cache.disk_pool
-    shape, record_bytes, segment, layers = pool.shape, pool.record_bytes, pool.segment_bytes, pool.num_layers
+    shape, record_bytes, segment = pool.shape, pool.record_bytes, pool.segment_bytes
+    layers = pool.num_layers
     first.close()
     with np.load(tmp_path / INDEX_NAME) as index:
         slot, name = int(index["slots"][0]), int.from_bytes(index["names"][0].tobytes(), "little")
     rng = np.random.default_rng(0)
     forged = [rng.integers(0, 256, segment, dtype=np.uint8).tobytes() for _ in range(layers)]
-    with open(tmp_path / "kv-cache.cold", "r+b") as f:  # other KV under the same name, CRCs made to match
+    with open(tmp_path / "kv-cache.cold", "r+b") as f:  # other KV, same name, matching CRCs
         f.seek(slot * record_bytes)
         f.write(shape.pack(name, [zlib.crc32(s) for s in forged]) + b"".join(forged))
     second = _engine(tiny_llama, tmp_path)
@@ -162,7 +166,8 @@ def test_a_forged_record_with_valid_checksums_is_recomputed_not_served(tiny_llam
     second.close()
 
 
-def test_deleted_cold_file_is_recreated_and_health_says_degraded_then_recovers(tiny_llama, tmp_path, monkeypatch):
+def test_deleted_cold_file_is_recreated_and_health_says_degraded_then_recovers(
+        tiny_llama, tmp_path, monkeypatch):
     from flashmemory.kvcache.levels.cold_file import ColdFile
 
     prompts = [f"{i} " + DOCUMENT * 2 for i in range(2)]
@@ -170,12 +175,16 @@ def test_deleted_cold_file_is_recreated_and_health_says_degraded_then_recovers(t
     expected = [engine.generate(p, max_new_tokens=8, ignore_eos=True) for p in prompts]
     assert engine.health() == {"status": "ok"}
     no_space = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(ColdFile, "_new_persistent_file", lambda self: (_ for _ in ()).throw(no_space))
+    def no_new_file(self):
+        raise no_space
+
+    monkeypatch.setattr(ColdFile, "_new_persistent_file", no_new_file)
     os.unlink(tmp_path / "kv-cache.cold")
     health = engine.health()
     assert health["status"] == "degraded" and "cannot be re-created" in health["reasons"][0]
     assert str(tmp_path) not in str(health)  # /health is public
-    assert [engine.generate(p, max_new_tokens=8, ignore_eos=True) for p in prompts] == expected  # still served
+    served = [engine.generate(p, max_new_tokens=8, ignore_eos=True) for p in prompts]
+    assert served == expected  # from the deleted file
     monkeypatch.undo()
     engine.cache.disk_pool.file._retry_at = 0.0  # the next try is due
     assert engine.health() == {"status": "ok"} and (tmp_path / "kv-cache.cold").exists()
@@ -183,5 +192,6 @@ def test_deleted_cold_file_is_recreated_and_health_says_degraded_then_recovers(t
     engine.close()
     again = _engine(tiny_llama, tmp_path)  # what the new file holds survives the restart
     assert [again.generate(p, max_new_tokens=8, ignore_eos=True) for p in prompts] == expected
-    assert again.stats()["persist_records_recovered"] > 0 and again.stats()["L2_prefix_hit_blocks"] > 0
+    stats = again.stats()
+    assert stats["persist_records_recovered"] > 0 and stats["L2_prefix_hit_blocks"] > 0
     again.close()

@@ -1,7 +1,9 @@
-"""The persistent prefix cache as untrusted input: whatever the index or a record holds, recovery never stops the
-start, never serves a block that is not exactly what this cache wrote, and counts and logs what it discarded.
+"""The persistent prefix cache as untrusted input: whatever the index or a record holds, recovery
+never stops the start, never serves a block that is not exactly what this cache wrote, and counts
+and logs what it discarded.
 
-Built without a model: a persistent DiskPool, a PrefixCache and a PrefixStore, as TieredKVCache composes them."""
+Built without a model: a persistent DiskPool, a PrefixCache and a PrefixStore, as TieredKVCache
+composes them."""
 
 from __future__ import annotations
 
@@ -29,15 +31,16 @@ LAYERS, HEADS, BS, DIM, SLOTS, VOCAB = 2, 2, 8, 16, 12, 100
 NAMESPACE = bytes(range(32))
 GEOMETRY = IndexGeometry(BS, (LAYERS, HEADS, 2 * DIM), SLOTS, VOCAB)
 TOKENS = [(7 * i + 3) % VOCAB for i in range(6 * BS)]  # six full blocks
+SESSIONS = {"alice": TOKENS[: 2 * BS]}
 
 
-def _disk(folder) -> DiskPool:
-    return DiskPool(Codec(2, BS, 16), SLOTS, LAYERS, HEADS, BS, DIM, folder, b"model", persistent=True,
-                    namespace=NAMESPACE)
+def _disk(folder, namespace: bytes = NAMESPACE) -> DiskPool:
+    return DiskPool(Codec(2, BS, 16), SLOTS, LAYERS, HEADS, BS, DIM, folder, b"model",
+                    persistent=True, namespace=namespace)
 
 
 def _save(folder) -> dict[int, tuple[int, tuple[int, ...], dict]]:
-    """Write six named blocks and a session, close; returns name -> (slot, tokens, encoded parts)."""
+    """Write six named blocks and a session, close; returns name -> (slot, tokens, parts)."""
     disk, cache = _disk(folder), PrefixCache(BS, NAMESPACE)
     blocks = BlockManager({Level.DISK: SLOTS}, cache)
     written, digests = {}, {}
@@ -53,7 +56,7 @@ def _save(folder) -> dict[int, tuple[int, tuple[int, ...], dict]]:
         cache.release(entry)
         digests[name] = torch.randn(LAYERS, HEADS, 2 * DIM, generator=g)
         written[name] = (slot, tokens, parts)
-    PrefixStore(folder, NAMESPACE, GEOMETRY).save(cache, disk, digests, {"alice": TOKENS[: 2 * BS]})
+    PrefixStore(folder, NAMESPACE, GEOMETRY).save(cache, disk, digests, SESSIONS)
     disk.close()
     return written
 
@@ -76,10 +79,15 @@ def _signer(folder) -> RecordSigner:
     return RecordSigner((folder / KEY_NAME).read_bytes(), NAMESPACE)
 
 
-def _write_signed(folder, arrays, **savez) -> None:
-    """Write `arrays` as the index with a valid MAC (what a forger with the key, or a bug, would produce)."""
+def _write_signed(folder, arrays) -> None:
+    """Write `arrays` as the index with a valid MAC (what a forger with the key, or a bug, would
+    write)."""
     with open(folder / INDEX_NAME, "wb") as f:
-        np.savez(f, **arrays, mac=np.frombuffer(_signer(folder).index_tag(arrays), dtype=np.uint8), **savez)
+        np.savez(f, **arrays, mac=_mac(folder, arrays))
+
+
+def _mac(folder, arrays) -> np.ndarray:
+    return np.frombuffer(_signer(folder).index_tag(arrays), dtype=np.uint8)
 
 
 def _resigned(change):
@@ -129,7 +137,7 @@ def _replace_member(name: str, raw: bytes):
 def _compressed(folder):
     arrays = _arrays(folder)
     with open(folder / INDEX_NAME, "wb") as f:
-        np.savez_compressed(f, **arrays, mac=np.frombuffer(_signer(folder).index_tag(arrays), dtype=np.uint8))
+        np.savez_compressed(f, **arrays, mac=_mac(folder, arrays))
 
 
 def _old_format(folder):
@@ -151,6 +159,10 @@ def _directory(folder):
     os.mkdir(folder / INDEX_NAME)
 
 
+def _flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :]
+
+
 def _sessions(text: bytes):
     return _set("sessions", np.frombuffer(text, dtype=np.uint8))
 
@@ -167,8 +179,8 @@ VARIANTS = {
     "truncated-last-byte": _raw(lambda b: b[:-1]),
     "random-bytes": _raw(lambda b: os.urandom(len(b))),
     "json-not-zip": _raw(lambda b: b'{"version": 2}'),
-    "flipped-byte-middle": _raw(lambda b: b[: len(b) // 2] + bytes([b[len(b) // 2] ^ 1]) + b[len(b) // 2 + 1 :]),
-    "flipped-byte-near-end": _raw(lambda b: b[:-200] + bytes([b[-200] ^ 1]) + b[-199:]),
+    "flipped-byte-middle": _raw(lambda b: _flip(b, len(b) // 2)),
+    "flipped-byte-near-end": _raw(lambda b: _flip(b, len(b) - 200)),
     "a-symlink": _symlink_to_copy,
     "a-directory": _directory,
     "older-format": _old_format,
@@ -228,7 +240,7 @@ def _write_signed_with(folder, key: bytes) -> None:
 def test_a_saved_index_is_recovered_whole(tmp_path):
     written = _save(tmp_path)
     store, cache, disk, found, digests = _load(tmp_path)
-    assert found.num_blocks == len(written) == len(cache.index) and found.sessions == {"alice": TOKENS[: 2 * BS]}
+    assert found.num_blocks == len(written) == len(cache.index) and found.sessions == SESSIONS
     assert store.stats()["persist_records_recovered"] == len(written)
     assert not any(n for key, n in store.stats().items() if "discarded" in key)
     disk.close()
@@ -244,11 +256,12 @@ def test_malformed_index_variants_are_discarded_not_fatal(tmp_path, caplog, vari
         stats = store.stats()
         assert sum(n for key, n in stats.items() if "discarded" in key) >= 1, stats  # counted
         lines = [r.getMessage() for r in caplog.records if "discard" in r.getMessage()]
-        assert 1 <= len(lines) <= 2, lines  # logged: a line for the index or its entries (+ one for sessions)
+        assert 1 <= len(lines) <= 2, lines  # a line for the index or its entries, one for sessions
         for name, entry in cache.index.items():  # whatever came back is exactly what was written
             slot, tokens, parts = written[name]
             assert entry.slots == {Level.DISK: slot} and entry.token_ids == tokens
-            assert torch.isfinite(digests[name]).all() and digests[name].shape == (LAYERS, HEADS, 2 * DIM)
+            digest = digests[name]
+            assert torch.isfinite(digest).all() and digest.shape == (LAYERS, HEADS, 2 * DIM)
             block = disk.read_block(slot)
             assert all(torch.equal(block[p], parts[p]) for p in parts)
         for tokens in found.sessions.values():
@@ -259,11 +272,10 @@ def test_malformed_index_variants_are_discarded_not_fatal(tmp_path, caplog, vari
 
 def test_an_index_of_another_namespace_keeps_its_sessions_not_its_blocks(tmp_path):
     _save(tmp_path)
-    disk, cache = DiskPool(Codec(2, BS, 16), SLOTS, LAYERS, HEADS, BS, DIM, tmp_path, b"model", persistent=True,
-                           namespace=b"other" * 4), PrefixCache(BS, b"other" * 4)
+    disk, cache = _disk(tmp_path, namespace=b"other" * 4), PrefixCache(BS, b"other" * 4)
     store = PrefixStore(tmp_path, b"other" * 4, GEOMETRY)
     found, _ = store.load(cache, BlockManager({Level.DISK: SLOTS}, cache), disk)
-    assert found.discarded_namespace and not cache.index and found.sessions == {"alice": TOKENS[: 2 * BS]}
+    assert found.discarded_namespace and not cache.index and found.sessions == SESSIONS
     disk.close()
 
 
@@ -278,13 +290,13 @@ def test_forged_record_with_valid_crc_is_a_miss(tmp_path):
     name, (slot, _, _) = next(iter(written.items()))
     disk = _disk(tmp_path)
     header, _ = disk.shape.parse(disk.read_record(slot))
-    forged = [os.urandom(disk.segment_bytes) for _ in range(LAYERS)]  # other KV, checksums made to match
+    forged = [os.urandom(disk.segment_bytes) for _ in range(LAYERS)]  # other KV, matching CRCs
     record = disk.shape.pack(name, [zlib.crc32(s) for s in forged]) + b"".join(forged)
     record_bytes = disk.record_bytes
     disk.close()
     _rewrite_record(tmp_path, slot, record, record_bytes)
     store, cache, disk, found, _ = _load(tmp_path)
-    assert name not in cache.index and found.num_blocks == len(written) - 1  # a miss: computed again
+    assert name not in cache.index and found.num_blocks == len(written) - 1  # a miss
     assert store.stats()["persist_records_discarded_unauthenticated"] == 1
     disk.close()
 
@@ -299,7 +311,7 @@ def test_a_genuine_record_copied_to_another_slot_is_a_miss(tmp_path):
     arrays = _arrays(tmp_path)
     slots = arrays["slots"] = arrays["slots"].copy()
     i_a, i_b = int(np.flatnonzero(slots == slot_a)[0]), int(np.flatnonzero(slots == slot_b)[0])
-    slots[i_a], slots[i_b] = slot_b, slot_a  # an index signed with the key that says A is in B's slot
+    slots[i_a], slots[i_b] = slot_b, slot_a  # an index, signed with the key: A is in B's slot
     _write_signed(tmp_path, arrays)
     store, cache, disk, _, _ = _load(tmp_path)
     assert name_a not in cache.index and name_b not in cache.index
@@ -352,7 +364,8 @@ def test_symlinked_index_temp_file_is_replaced_not_followed(tmp_path):
     os.symlink(victim, folder / "kv-cache.index.tmp.npz")
     _save(folder)
     assert victim.read_bytes() == b"x" * 14  # untouched
-    assert not (folder / INDEX_NAME).is_symlink() and not (folder / "kv-cache.index.tmp.npz").exists()
+    assert not (folder / INDEX_NAME).is_symlink()
+    assert not (folder / "kv-cache.index.tmp.npz").exists()
 
 
 def test_an_index_member_is_never_unpickled(tmp_path, monkeypatch):
@@ -364,7 +377,7 @@ def test_an_index_member_is_never_unpickled(tmp_path, monkeypatch):
     (tmp_path / INDEX_NAME).write_bytes(buf.getvalue())
     import pickle
 
-    monkeypatch.setattr(pickle, "load", lambda *a, **k: pytest.fail("an index member was unpickled"))
+    monkeypatch.setattr(pickle, "load", lambda *a, **k: pytest.fail("a member was unpickled"))
     store, cache, disk, _, _ = _load(tmp_path)
     assert store.stats()["persist_index_discarded"] == 1
     disk.close()

@@ -1,14 +1,16 @@
-"""CacheFolder: the persistent cache's folder (persist_cache) and the files in it, treated as ground another
-program may have touched between two runs.
+"""CacheFolder: the persistent cache's folder (persist_cache) and the files in it, treated as
+ground another program may have touched between two runs.
 
-The folder must belong to the user running FlashMemory and be writable by no one else (anyone who can write it can
-plant the files the cache reads back, or links that turn its writes onto other files); it is opened once and every
-file is opened relative to that descriptor, never following a symbolic link (O_NOFOLLOW). Files are created 0600
-(they hold the cached prompts' token ids and KV), a temporary one with O_EXCL after any stale one is removed. The
-folder also keeps the cache's secret: 32 random bytes (kv-cache.key, 0600) that authenticate what the cache writes
-(record_mac.py); a key that is malformed or readable by others is replaced, which makes the old cache a miss.
+The folder must belong to the user running FlashMemory and be writable by no one else (anyone
+who can write it can plant the files the cache reads back, or links that turn its writes onto
+other files). It is opened once, and every file is opened relative to that descriptor, never
+through a symbolic link (O_NOFOLLOW). Files are created 0600 (they hold the cached prompts'
+token ids and KV), a temporary one with O_EXCL after any stale one is removed. The folder also
+keeps the cache's secret: 32 random bytes (kv-cache.key, 0600) that authenticate what the cache
+writes (record_mac.py); a key that is malformed or readable by others is replaced, which makes
+the old cache a miss.
 
-Where the OS lacks O_NOFOLLOW or dir_fd (Windows), paths are opened after an lstat check for a link instead.
+Where the OS lacks O_NOFOLLOW or dir_fd (Windows), a path is opened after an lstat check.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ KEY_BYTES = 32
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_AT_FD = os.open in os.supports_dir_fd and bool(_NOFOLLOW)  # open relative to the folder's descriptor
+_AT_FD = os.open in os.supports_dir_fd and bool(_NOFOLLOW)  # relative to the folder's descriptor
 
 
 class LinkRefusedError(OSError):
-    """A cache file's name is a symbolic link (or another non-regular file): it is not followed."""
+    """A cache file's name is a link or not a plain file of ours: it is not opened through."""
 
 
 def _owned_by_us(st: os.stat_result) -> bool:
@@ -41,7 +43,7 @@ def _owned_by_us(st: os.stat_result) -> bool:
 
 
 class CacheFolder:
-    """Owns the open descriptor of a checked persistent-cache folder and opens the files in it safely."""
+    """Owns the open descriptor of a checked persistent-cache folder; opens the files in it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -50,8 +52,8 @@ class CacheFolder:
             self.fd = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC) if _AT_FD else -1
             st = os.fstat(self.fd) if self.fd >= 0 else os.stat(path)
         except OSError as e:
-            raise ConfigError(f"cold_zone_dir {str(path)!r} cannot be opened ({e.strerror}); choose a folder you "
-                              "can write") from e
+            raise ConfigError(f"cold_zone_dir {str(path)!r} cannot be opened ({e.strerror}); "
+                              "choose a folder you can write") from e
         try:
             self._check_private(st)
         except ConfigError:
@@ -60,15 +62,17 @@ class CacheFolder:
 
     def _check_private(self, st: os.stat_result) -> None:
         if not stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"cold_zone_dir {str(self.path)!r} is not a folder; choose a folder for the cache")
+            raise ConfigError(f"cold_zone_dir {str(self.path)!r} is not a folder; choose a folder "
+                              "for the cache")
         if not _owned_by_us(st):
-            raise ConfigError(f"the persistent cache folder {self.path} belongs to another user (uid {st.st_uid}): "
-                              "its files could be replaced by that user; use a folder you own, or "
-                              f"chown {os.geteuid()} {self.path}")
+            raise ConfigError(f"the persistent cache folder {self.path} belongs to another user "
+                              f"(uid {st.st_uid}), who could replace its files; use a folder you "
+                              f"own, or chown {os.geteuid()} {self.path}")
         if hasattr(os, "geteuid") and st.st_mode & 0o022:
-            raise ConfigError(f"the persistent cache folder {self.path} is writable by other users (mode "
-                              f"{stat.S_IMODE(st.st_mode):o}): they could plant the files the cache reads back; "
-                              f"chmod go-w {self.path} (or use a private folder)")
+            mode = stat.S_IMODE(st.st_mode)
+            raise ConfigError(f"the persistent cache folder {self.path} is writable by other "
+                              f"users (mode {mode:o}): they could plant the files the cache reads "
+                              f"back; chmod go-w {self.path} (or use a private folder)")
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -76,18 +80,18 @@ class CacheFolder:
             self.fd = -1
 
     def gone(self) -> bool:
-        """True when the folder itself was deleted (its files cannot be re-created in it)."""
+        """True when the folder itself was deleted (no file can be made in it any more)."""
         try:
             return (os.fstat(self.fd) if self.fd >= 0 else os.stat(self.path)).st_nlink == 0
         except OSError:
             return True
 
-    # ---- files --------------------------------------------------------------------------------------------------
+    # ---- files -------------------------------------------------------------------------------
 
     def open(self, name: str, flags: int, mode: int = 0o600, owner_only: bool = True) -> int:
-        """os.open of `name` in the folder, never through a link (LinkRefusedError) nor onto anything but a regular
-        file of ours with one name (a hard link would make writes land elsewhere too); `owner_only`: a file others
-        could read is made 0600."""
+        """os.open of `name` in the folder, never through a link (LinkRefusedError), nor onto
+        anything but a regular file of ours with one name (through a hard link, writes would land
+        in another file too); `owner_only`: a file others could read is made 0600."""
         try:
             if _AT_FD:
                 fd = os.open(name, flags | _NOFOLLOW | _CLOEXEC, mode, dir_fd=self.fd)
@@ -106,12 +110,15 @@ class CacheFolder:
                 "a hard link to another file" if st.st_nlink > 1 else "owned by another user")
             raise LinkRefusedError(errno.EPERM, f"{name} is {what}")
         if owner_only and hasattr(os, "fchmod") and stat.S_IMODE(st.st_mode) & 0o077:
-            os.fchmod(fd, 0o600)  # an older version's file, or one copied in: owner-only from here on
+            os.fchmod(fd, 0o600)  # an older version's file, or one copied in: owner-only now
         return fd
 
     def exists(self, name: str) -> bool:
         try:
-            os.stat(name, dir_fd=self.fd, follow_symlinks=False) if _AT_FD else os.lstat(self.path / name)
+            if _AT_FD:
+                os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+            else:
+                os.lstat(self.path / name)
         except OSError:
             return False
         return True
@@ -119,53 +126,61 @@ class CacheFolder:
     def remove(self, name: str) -> None:
         """Unlink `name` (a link itself, never its target); nothing to do when it is absent."""
         try:
-            os.unlink(name, dir_fd=self.fd) if _AT_FD else os.unlink(self.path / name)
+            if _AT_FD:
+                os.unlink(name, dir_fd=self.fd)
+            else:
+                os.unlink(self.path / name)
         except FileNotFoundError:
             pass
 
     def create_temp(self, name: str) -> int:
-        """A new, empty, owner-only file called `name`, write-only: a stale one (a crash mid-save) or anything
-        planted under that name is removed first, and O_EXCL makes sure the file opened is the one created."""
+        """A new, empty, owner-only file called `name`, write-only: a stale one (a crash mid-save)
+        or anything planted under that name is removed first, and O_EXCL makes sure the file
+        opened is the one created."""
         self.remove(name)
         return self.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
 
     def replace(self, src: str, dst: str) -> None:
-        """Rename `src` over `dst` atomically (a link at `dst` is replaced, not followed), then make it durable."""
+        """Rename `src` over `dst` atomically (a link at `dst` is replaced, not followed), then
+        make the rename durable."""
         if _AT_FD:
             os.replace(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-            os.fsync(self.fd)  # the rename itself reaches the disk
+            os.fsync(self.fd)
         else:
             os.replace(self.path / src, self.path / dst)
 
-    # ---- the secret ----------------------------------------------------------------------------------------------
+    # ---- the secret --------------------------------------------------------------------------
 
     def secret(self) -> bytes:
-        """The folder's MAC key, made on first use; one that is malformed or readable by others is replaced (what
-        was written under it stops being trusted: a miss, recomputed)."""
+        """The folder's MAC key, made on first use. One that is malformed or readable by others
+        is replaced: what was written under it stops being trusted (a miss, recomputed)."""
         try:
             fd = self.open(KEY_NAME, os.O_RDONLY, owner_only=False)
         except FileNotFoundError:
             return self._new_secret()
         except LinkRefusedError as e:
             raise ConfigError(f"the cache key in {self.path} is refused ({e.strerror}): remove it "
-                              f"(rm {self.path / KEY_NAME}); a new one is made and the cache rebuilt") from None
+                              f"(rm {self.path / KEY_NAME}); a new one is made and the cache "
+                              "rebuilt") from None
         try:
             st = os.fstat(fd)
             key = os.read(fd, KEY_BYTES + 1)
         finally:
             os.close(fd)
         if len(key) != KEY_BYTES:
-            log.warning("the cache key in %s is malformed (%d bytes): a new one is made and the cache written "
-                        "under the old one is discarded", self.path, len(key))
+            log.warning("the cache key in %s is malformed (%d bytes): a new one is made and the "
+                        "cache written under the old one is discarded", self.path, len(key))
             return self._new_secret()
         if hasattr(os, "geteuid") and stat.S_IMODE(st.st_mode) & 0o077:
-            log.warning("the cache key in %s was readable by other users (mode %o): a new one is made and the "
-                        "cache written under the old one is discarded", self.path, stat.S_IMODE(st.st_mode))
+            log.warning("the cache key in %s was readable by other users (mode %o): a new one is "
+                        "made and the cache written under the old one is discarded", self.path,
+                        stat.S_IMODE(st.st_mode))
             return self._new_secret()
         return key
 
     def keep_secret(self, key: bytes) -> None:
-        """Write `key` as the folder's secret unless one is there (a folder made again under a running process)."""
+        """Write `key` as the folder's secret unless one is there (the folder made again under a
+        running process: what it writes stays verifiable by the next)."""
         if not self.exists(KEY_NAME):
             self._write_secret(key)
 

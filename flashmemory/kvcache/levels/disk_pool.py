@@ -3,15 +3,16 @@
 Record layout, one per slot at offset slot * record_bytes: the header (cold_record.py: format, shape, model
 fingerprint, the block's name, a crc32 per layer segment), then num_layers segments, each the codec's parts of that
 layer concatenated in part order. The file is private scratch space (named after its process, removed on close),
-or with `persistent=True` the stable kv-cache.cold of its folder (cache_folder.py: a private folder, no links
-followed, 0600), kept for the next process (locked while open); there every record written also gets a keyed MAC
-(record_mac.py), which the prefix index keeps so the next process trusts only what this one wrote.
+or with `persistent=True` the stable kv-cache.cold of its folder (cache_folder.py: a private
+folder, no links followed, 0600), kept for the next process (locked while open); there every
+record written also gets a keyed MAC (record_mac.py), which the prefix index keeps so the next
+process trusts only what this one wrote.
 
 A read verifies the file still exists, is long enough, and that the segment's crc32 matches what was
 written; any failure raises ColdBlockError and is counted by reason. A corrupt block is never served.
-A file deleted under a running process loses nothing: it is re-created with the live records carried over
-(cold_file.py); while it cannot be, `health` says why. NOTE: error messages name no file (clients may see them);
-the log does.
+A file deleted under a running process loses nothing: it is re-created with the live records
+carried over (cold_file.py); while it cannot be, `health` says why.
+NOTE: error messages name no file (clients may see them); the log does.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class DiskPool:
         self.bytes_written = 0
         self.bytes_read = 0
         self._crcs: dict[int, list[int]] = {}  # slot -> per-layer crc32 of what was written
-        self._tags: dict[int, bytes] = {}  # slot -> MAC of the record (persistent only; see record_mac.py)
+        self._tags: dict[int, bytes] = {}  # slot -> its record's MAC (persistent only)
         # Bumped when a slot is (re)written or freed, before the bytes change: a copy read ahead of need (prefetch)
         # is served only while its slot's generation is the one it was read under.
         self._generations: dict[int, int] = {}
@@ -96,7 +97,8 @@ class DiskPool:
         self._counter_lock = threading.Lock()  # reads also come from prefetch threads
         self.file = ColdFile(num_slots * self.record_bytes, directory, persistent)
         self.persistent = persistent
-        # A persistent file's records get a MAC, kept by the prefix index so the next process trusts only them.
+        # A persistent file's records get a MAC, kept by the prefix index: the next process
+        # trusts only those.
         self.signer = RecordSigner(self.file.secret, namespace) if persistent else None
 
     @property
@@ -109,26 +111,22 @@ class DiskPool:
 
     @property
     def folder(self) -> CacheFolder | None:
-        """The checked folder of a persistent file (where its index lives), None for scratch space."""
+        """The checked folder of a persistent file (where its index lives); None for scratch."""
         return self.file.folder
 
-    def read_name(self, slot: int) -> tuple[int, list[int]] | None:
-        """(name, per-layer crcs) the slot's header says it holds, or None when it holds no valid block of this
-        file's shape (recovering a persistent cache: a slot rewritten or torn since the index was saved)."""
-        return self.shape.parse(self.io.pread(self._fd, self.header_bytes, slot * self.record_bytes))
-
     def read_record(self, slot: int) -> bytes:
-        """The slot's whole record as stored (header and every layer), for a MAC check; short at the file's end."""
+        """The slot's whole record as stored (header and every layer), for a MAC check (short at
+        the end of a truncated file)."""
         return self.io.pread(self._fd, self.header_bytes + self.num_layers * self.segment_bytes,
                              slot * self.record_bytes)
 
     def tag_of(self, slot: int) -> bytes | None:
-        """The MAC of the record in `slot` (None when it holds none, or the file is not persistent)."""
+        """The MAC of the record in `slot` (None: it holds none, or the file is not persistent)."""
         return self._tags.get(slot)
 
     def adopt(self, slot: int, crcs: list[int], tag: bytes | None = None) -> None:
-        """Serve the block a previous process wrote in `slot` (its checksums read back from its header, its MAC
-        checked by the caller)."""
+        """Serve the block a previous process wrote in `slot` (its checksums read back from its
+        header, its MAC checked by the caller)."""
         self._crcs[slot] = crcs
         if tag is not None:
             self._tags[slot] = tag
@@ -188,8 +186,9 @@ class DiskPool:
                 self.write_failures["full" if full else "io"] += 1
             log.warning("writing cold slot %d to %s failed: %s", slot, self.path, e)
             if full:
-                raise ColdZoneFullError(f"the cold zone's disk is full ({e.strerror}); free disk space in "
-                                        "cold_zone_dir, lower cold_zone_gb, or shorten the context") from e
+                raise ColdZoneFullError(f"the cold zone's disk is full ({e.strerror}); free disk "
+                                        "space in cold_zone_dir, lower cold_zone_gb, or shorten "
+                                        "the context") from e
             raise ColdZoneWriteError(f"writing cold slot {slot} failed: {e.strerror or e}") from e
         self._crcs[slot] = crcs
         if self.signer is not None:
@@ -228,7 +227,8 @@ class DiskPool:
         if self.uncached_reads:
             os.posix_fadvise(self._fd, slot * self.record_bytes, self.record_bytes, os.POSIX_FADV_DONTNEED)
         if len(data) < self.segment_bytes:
-            raise self._fail("truncated", f"the cold-zone file is truncated at slot {slot}", count_failures)
+            raise self._fail("truncated", f"the cold-zone file is truncated at slot {slot}",
+                             count_failures)
         if zlib.crc32(data) != expected[layer]:
             raise self._fail("checksum", f"cold block slot {slot} layer {layer} failed its checksum", count_failures)
         with self._counter_lock:
@@ -236,19 +236,22 @@ class DiskPool:
         return data
 
     def check_file(self) -> None:
-        """Move to a new file if the cold-zone file was deleted under us (its blocks carried over, see cold_file);
-        ColdBlockError("missing") once the pool is closed (a read-ahead thread outliving it)."""
+        """Move to a new file if the cold-zone file was deleted under us (its blocks carried
+        over: cold_file.py); ColdBlockError("missing") once the pool is closed (a read-ahead
+        thread outliving it)."""
         if self._fd < 0:
             raise self._fail("missing", "the cold zone is closed")
         self._ensure_file()
 
     def health(self) -> str | None:
-        """Why the level is not as it should be (its file deleted and not replaceable), or None: probes the file."""
+        """Why the level is not as it should be (its file deleted and not replaceable), or None;
+        probes the file."""
         self._ensure_file()
         return self.file.failed
 
     def _ensure_file(self) -> None:
-        if self.file.ensure(self._live_ranges) and self.uncached_reads and self.file.failed is None:
+        moved = self.file.ensure(self._live_ranges)
+        if moved and self.uncached_reads and self.file.failed is None:
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     def _live_ranges(self) -> list[tuple[int, int]]:

@@ -58,7 +58,8 @@ class StorageLevel(Protocol):
         """Raise ColdBlockError when the medium itself is gone (e.g. the file was deleted)."""
 
     def health(self) -> str | None:
-        """Why the level cannot serve now (a sentence naming no file: /health shows it), or None when it can."""
+        """Why the level is not as it should be (a sentence naming no file: /health shows it), or
+        None."""
 
     def parts_from_segments(self, data: bytes, n: int) -> Parts:
         """n segments back to back -> parts [n, num_kv_heads, ...]."""

@@ -1,4 +1,5 @@
-"""The persistent cache's folder: refused unless private, its files never opened through a link, created 0600."""
+"""The persistent cache's folder: refused unless private, its files never opened through a link,
+created 0600."""
 
 from __future__ import annotations
 
@@ -57,12 +58,14 @@ def test_a_folder_others_can_write_is_refused_with_the_fix(tmp_path, mode):
     assert not (folder / "kv-cache.cold").exists()
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="giving a folder away needs root")
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                    reason="giving a folder away needs root")
 def test_a_folder_of_another_user_is_refused_with_the_fix(tmp_path):
     folder = tmp_path / "kv"
     folder.mkdir(mode=0o700)
     os.chown(folder, 12345, 12345)
-    with pytest.raises(ConfigError, match=f"belongs to another user .*chown {os.geteuid()} {folder}"):
+    fix = f"chown {os.geteuid()} {folder}"
+    with pytest.raises(ConfigError, match=f"belongs to another user .*{fix}"):
         _persistent(folder)
 
 
@@ -87,4 +90,5 @@ def test_a_stale_temporary_file_is_replaced_by_a_new_one(tmp_path):
     os.write(fd, b"new")
     os.close(fd)
     folder.close()
-    assert (tmp_path / "x.tmp").read_bytes() == b"new" and (tmp_path / "x.tmp").stat().st_mode & 0o777 == 0o600
+    temp = tmp_path / "x.tmp"
+    assert temp.read_bytes() == b"new" and temp.stat().st_mode & 0o777 == 0o600

@@ -1,5 +1,6 @@
-"""A cold-zone file deleted under a running process loses nothing: a new file takes its place with the blocks
-carried over; while none can be made, the deleted one keeps serving and health says why, without a path."""
+"""A cold-zone file deleted under a running process loses nothing: a new file takes its place
+with the blocks carried over; while none can be made, the deleted one keeps serving and health
+says why, without a path."""
 
 from __future__ import annotations
 
@@ -20,7 +21,14 @@ LAYERS, HEADS, BS, DIM = 2, 2, 8, 16
 
 
 def _pool(folder, persistent: bool) -> DiskPool:
-    return DiskPool(Codec(2, BS, 16), 4, LAYERS, HEADS, BS, DIM, folder, b"model", persistent=persistent)
+    return DiskPool(Codec(2, BS, 16), 4, LAYERS, HEADS, BS, DIM, folder, b"model",
+                    persistent=persistent)
+
+
+def _raise(error: Exception):
+    def fail(*args, **kwargs):
+        raise error
+    return fail
 
 
 def _parts(pool, seed: int):
@@ -43,7 +51,7 @@ def test_deleted_cold_file_is_recreated_with_the_blocks_it_held(tmp_path, persis
     os.unlink(pool.path)
     assert all(_same(pool, slot, parts) for slot, parts in written.items())
     assert pool.path.exists() and pool.counters()["file_recreated"] == 1 and pool.health() is None
-    with open(pool.path, "rb") as f:  # the new file on disk holds the records, not only our descriptor
+    with open(pool.path, "rb") as f:  # the new file holds the records, not only our descriptor
         f.seek(2 * pool.record_bytes)
         assert pool.shape.parse(f.read(pool.header_bytes))[0] == 3
     pool.close()
@@ -57,19 +65,20 @@ def test_a_persistent_folder_deleted_whole_is_made_again_with_its_key(tmp_path):
     pool.put(1, parts, name=7)
     shutil.rmtree(folder)
     assert pool.health() is None and _same(pool, 1, parts)
-    assert (folder / KEY_NAME).read_bytes() == key  # what this process signs stays verifiable after a restart
+    assert (folder / KEY_NAME).read_bytes() == key  # what it signs stays verifiable
     assert folder.stat().st_mode & 0o777 == 0o700
     pool.close()
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-def test_deleted_cold_file_that_cannot_be_recreated_says_degraded_then_recovers(tmp_path, persistent, monkeypatch):
+def test_deleted_cold_file_not_recreatable_says_degraded_then_recovers(tmp_path, persistent,
+                                                                        monkeypatch):
     pool = _pool(tmp_path, persistent)
     parts = _parts(pool, 0)
     pool.put(0, parts, name=1)
     no_space = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     new_file = "_new_persistent_file" if persistent else "_new_private_file"
-    monkeypatch.setattr(ColdFile, new_file, lambda *a: (_ for _ in ()).throw(no_space))
+    monkeypatch.setattr(ColdFile, new_file, _raise(no_space))
     os.unlink(pool.path)
     reason = pool.health()
     assert reason is not None and "cannot be re-created (No space left on device)" in reason
@@ -102,7 +111,7 @@ def test_cold_zone_error_messages_name_no_file(tmp_path, monkeypatch):
         pool.get_layer([1], 0)
     messages.append(str(e.value))
     for err in (errno.ENOSPC, errno.EIO):
-        monkeypatch.setattr(pool.io, "pwrite", lambda *a, err=err: (_ for _ in ()).throw(OSError(err, "boom")))
+        monkeypatch.setattr(pool.io, "pwrite", _raise(OSError(err, "boom")))
         with pytest.raises((ColdZoneFullError, OSError)) as e:
             pool.put(2, _parts(pool, 2))
         messages.append(str(e.value))
@@ -110,4 +119,5 @@ def test_cold_zone_error_messages_name_no_file(tmp_path, monkeypatch):
     with pytest.raises(ColdBlockError) as e:
         pool.get_layer([1], 0)
     messages.append(str(e.value))
-    assert len(messages) == 6 and not [m for m in messages if str(tmp_path) in m or ".cold" in m], messages
+    with_path = [m for m in messages if str(tmp_path) in m or ".cold" in m]
+    assert len(messages) == 6 and not with_path, messages

@@ -94,9 +94,11 @@ def test_deleted_cold_file_is_recreated_with_its_blocks(pool):
     os.unlink(deleted)
     got = pool.get_layer([0], 1)  # served, then from a new file holding the block
     assert torch.equal(got["codes"][0], parts["codes"][1])
-    assert pool.path.exists() and os.fstat(pool._fd).st_nlink == 1 and pool.counters()["file_recreated"] == 1
+    assert pool.path.exists() and os.fstat(pool._fd).st_nlink == 1
+    assert pool.counters()["file_recreated"] == 1
     pool.put(1, pool.codec.encode(*_block(4)))  # new blocks go to the new file
-    assert os.path.getsize(pool.path) == pool.num_slots * pool.record_bytes and pool.health() is None
+    assert os.path.getsize(pool.path) == pool.num_slots * pool.record_bytes
+    assert pool.health() is None
 
 
 def test_a_closed_pool_reports_its_file_missing(pool):
