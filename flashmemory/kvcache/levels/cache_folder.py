@@ -4,8 +4,10 @@ ground another program may have touched between two runs.
 The folder must belong to the user running FlashMemory and be writable by no one else (anyone
 who can write it can plant the files the cache reads back, or links that turn its writes onto
 other files). It is opened once, and every file is opened relative to that descriptor, never
-through a symbolic link (O_NOFOLLOW). Files are created 0600 (they hold the cached prompts'
-token ids and KV), a temporary one with O_EXCL after any stale one is removed. The folder also
+through a symbolic link (O_NOFOLLOW): a link (or a hard link, or a file of another user) where a
+cache file should be is removed, logged and counted, and a new file made in its place. Files are
+created 0600 (they hold the cached prompts' token ids and KV), a temporary one with O_EXCL after
+any stale one is removed. The folder also
 keeps the cache's secret: 32 random bytes (kv-cache.key, 0600) that authenticate what the cache
 writes (record_mac.py); a key that is malformed or readable by others is replaced, which makes
 the old cache a miss.
@@ -47,6 +49,7 @@ class CacheFolder:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.num_refused = 0  # links (or foreign files) found where a cache file should be
         try:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
             self.fd = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC) if _AT_FD else -1
@@ -102,6 +105,8 @@ class CacheFolder:
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise LinkRefusedError(errno.ELOOP, f"{name} is a symbolic link") from e
+            if e.errno == errno.EISDIR:
+                raise LinkRefusedError(errno.EISDIR, f"{name} is a folder") from e
             raise
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or not _owned_by_us(st):
@@ -112,6 +117,26 @@ class CacheFolder:
         if owner_only and hasattr(os, "fchmod") and stat.S_IMODE(st.st_mode) & 0o077:
             os.fchmod(fd, 0o600)  # an older version's file, or one copied in: owner-only now
         return fd
+
+    def open_or_replace(self, name: str, flags: int) -> int:
+        """`open(name, flags | O_CREAT)`; a link or foreign file under that name is not opened
+        through but removed (its target untouched), logged and counted, and a new file made.
+        ConfigError when it cannot be removed (a folder of that name)."""
+        try:
+            return self.open(name, flags | os.O_CREAT)
+        except LinkRefusedError as e:
+            self.num_refused += 1
+            log.warning("%s is refused (%s): the cache never opens its files through a link, which "
+                        "could turn its writes onto files outside its folder; it is removed and a "
+                        "new, empty file made (to keep the cache elsewhere, set cold_zone_dir "
+                        "there)", self.path / name, e.strerror)
+        try:
+            self.remove(name)
+            return self.open(name, flags | os.O_CREAT | os.O_EXCL)
+        except OSError as e:
+            raise ConfigError(f"{self.path / name} is not a plain file of yours and cannot be "
+                              f"removed ({e.strerror}); remove it, or set cold_zone_dir to another "
+                              "folder") from None
 
     def exists(self, name: str) -> bool:
         try:
@@ -159,9 +184,10 @@ class CacheFolder:
         except FileNotFoundError:
             return self._new_secret()
         except LinkRefusedError as e:
-            raise ConfigError(f"the cache key in {self.path} is refused ({e.strerror}): remove it "
-                              f"(rm {self.path / KEY_NAME}); a new one is made and the cache "
-                              "rebuilt") from None
+            self.num_refused += 1
+            log.warning("the cache key %s is refused (%s): a new one is made and the cache "
+                        "written under the old one is discarded", self.path / KEY_NAME, e.strerror)
+            return self._new_secret()
         try:
             st = os.fstat(fd)
             key = os.read(fd, KEY_BYTES + 1)

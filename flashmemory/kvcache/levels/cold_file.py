@@ -24,7 +24,7 @@ from pathlib import Path
 
 from flashmemory.errors import ConfigError
 from flashmemory.kvcache.levels import cold_files
-from flashmemory.kvcache.levels.cache_folder import CacheFolder, LinkRefusedError
+from flashmemory.kvcache.levels.cache_folder import CacheFolder
 
 PERSISTENT_NAME = "kv-cache.cold"  # the file of a persistent cold zone (persist_cache)
 RETRY_INTERVAL_S = 5.0  # a deleted file that could not be replaced: the next try this much later
@@ -89,12 +89,10 @@ class ColdFile:
         self.folder = CacheFolder(folder)
         self.path = folder / PERSISTENT_NAME
         try:
-            self.fd = self.folder.open(PERSISTENT_NAME, os.O_RDWR | os.O_CREAT)
-        except LinkRefusedError as e:
+            self.fd = self.folder.open_or_replace(PERSISTENT_NAME, os.O_RDWR)
+        except ConfigError:
             self.close()
-            raise ConfigError(f"{self.path} is refused: {e.strerror}; the cache never follows "
-                              "links (they could turn its writes onto files outside its folder): "
-                              "remove it, or set cold_zone_dir to the folder you meant") from None
+            raise
         except OSError as e:
             self.close()
             raise ConfigError(f"cold_zone_dir {str(folder)!r} is not writable ({e.strerror}); "
@@ -126,6 +124,7 @@ class ColdFile:
         assert self.folder is not None
         if self.folder.gone():  # the whole folder was removed: made again, checked as at start
             folder = CacheFolder(self.folder.path)
+            folder.num_refused = self.folder.num_refused
             self.folder.close()
             self.folder = folder
             folder.keep_secret(self.secret)

@@ -265,6 +265,7 @@ class DiskPool:
             out.update({f"write_failures_{reason}": n for reason, n in self.write_failures.items()})
         out["bytes_committed"] = self.committed_bytes()
         out["file_recreated"] = self.file.num_recreated
+        out["files_refused"] = self.file.folder.num_refused if self.file.folder is not None else 0
         out["failed"] = int(self.file.failed is not None)
         return out
 

@@ -1,11 +1,14 @@
-"""The persistent cache's folder: refused unless private, its files never opened through a link,
-created 0600."""
+"""The persistent cache's folder: refused unless private; its files never opened through a link
+(a link is replaced by a new file, never followed) and created 0600."""
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 
 import pytest
+import torch
 
 from flashmemory.errors import ConfigError
 from flashmemory.kvcache.levels.cache_folder import KEY_NAME, CacheFolder
@@ -19,33 +22,36 @@ def _persistent(folder) -> DiskPool:
     return DiskPool(Codec(2, BS, 16), 4, LAYERS, HEADS, BS, DIM, folder, b"model", persistent=True)
 
 
-def test_symlinked_cold_file_is_refused_not_followed(tmp_path):
+@pytest.mark.parametrize("link", [os.symlink, os.link])
+def test_symlinked_cold_file_is_refused_not_followed(tmp_path, caplog, link):
     folder, victim = tmp_path / "kv", tmp_path / "victim.txt"
     folder.mkdir(mode=0o700)
     victim.write_bytes(b"precious data!")  # 14 bytes outside the cache's folder
-    os.symlink(victim, folder / "kv-cache.cold")
-    with pytest.raises(ConfigError, match="symbolic link.*remove it"):
-        _persistent(folder)
-    assert victim.read_bytes() == b"precious data!"
+    link(victim, folder / "kv-cache.cold")
+    with caplog.at_level(logging.WARNING):
+        pool = _persistent(folder)  # starts: the link is not the cache's file
+    pool.put(0, pool.codec.encode(*[torch.randn(LAYERS, HEADS, BS, DIM)] * 2))
+    pool.close()
+    assert victim.read_bytes() == b"precious data!" and "is refused" in caplog.text
+    cold = os.lstat(folder / "kv-cache.cold")
+    assert stat.S_ISREG(cold.st_mode) and cold.st_nlink == 1 and cold.st_mode & 0o777 == 0o600
+    assert pool.counters()["files_refused"] == 1
 
 
-def test_hard_linked_cold_file_is_refused(tmp_path):
-    folder, victim = tmp_path / "kv", tmp_path / "victim.txt"
-    folder.mkdir(mode=0o700)
-    victim.write_bytes(b"precious data!")
-    os.link(victim, folder / "kv-cache.cold")
-    with pytest.raises(ConfigError, match="hard link"):
-        _persistent(folder)
-    assert victim.read_bytes() == b"precious data!"
+def test_a_folder_where_the_cold_file_should_be_is_a_clear_error(tmp_path):
+    (tmp_path / "kv-cache.cold").mkdir()
+    with pytest.raises(ConfigError, match="not a plain file of yours and cannot be removed"):
+        _persistent(tmp_path)
 
 
-def test_symlinked_cache_key_is_refused(tmp_path):
+def test_symlinked_cache_key_is_replaced_not_read(tmp_path):
     folder, secret = tmp_path / "kv", tmp_path / "elsewhere"
     folder.mkdir(mode=0o700)
-    secret.write_bytes(os.urandom(32))
+    secret.write_bytes(b"k" * 32)
     os.symlink(secret, folder / KEY_NAME)
-    with pytest.raises(ConfigError, match="cache key .* refused"):
-        _persistent(folder)
+    _persistent(folder).close()
+    assert not (folder / KEY_NAME).is_symlink() and (folder / KEY_NAME).read_bytes() != b"k" * 32
+    assert secret.read_bytes() == b"k" * 32
 
 
 @pytest.mark.parametrize("mode", [0o775, 0o757, 0o777])
