@@ -136,9 +136,11 @@ class EngineConfig:
         "the working set plus this; with persist_cache, the size of the cache kept across restarts",
         unit="MiB", ge=0)
     persist_cache: bool = setting(
-        False, "keep the prefix cache across restarts: the L2 file and its index stay in cold_zone_dir (needed) and "
-        "are recovered at the next start (another model, precision or block size: discarded); off, the cold zone is "
-        "scratch space removed at exit")
+        False, "keep the prefix cache across restarts: the L2 file and its index stay in "
+        "cold_zone_dir (needed: a folder of yours no one else can write) and are recovered at the "
+        "next start (another model, precision or block size, or anything failing its checks or "
+        "MAC: discarded, docs/prefix_cache.md); off, the cold zone is scratch space removed at "
+        "exit")
     attention_backend: str = setting(
         "auto", "decode attention of the tiered cache: auto (the native CPU kernel where it runs, else torch), "
         "native or torch (kvcache/attention/registry.py)", choices=("auto", "native", "torch"))

@@ -274,6 +274,14 @@ class FlashMemoryEngine:
             out.update(self.budget_controller.stats())
         return out
 
+    def health(self) -> dict[str, Any]:
+        """{"status": "ok"}, or "degraded" with the reasons: a KV level not as it should be (its
+        file deleted and not re-creatable). The reasons name no file (/health is public)."""
+        levels = getattr(self.cache, "levels", {})
+        reasons = [f"L{int(level)}: {reason}" for level, pool in levels.items()
+                   if (reason := pool.health()) is not None]
+        return {"status": "degraded", "reasons": reasons} if reasons else {"status": "ok"}
+
     def close(self) -> None:
         """Release the KV levels (the cold-zone file included)."""
         close = getattr(self.cache, "close", None)

@@ -136,6 +136,7 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
         prefix_cache_host_bytes=int(engine_cfg.prefix_cache_host_mb * MIB),
         prefix_cache_disk_bytes=int(engine_cfg.prefix_cache_disk_mb * MIB),
         persist_cache=engine_cfg.persist_cache,
+        vocab_size=model_cfg.vocab_size,
     )
 
 

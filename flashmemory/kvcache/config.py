@@ -66,6 +66,7 @@ class TieredCacheConfig:
     prefix_cache_host_bytes: int = 256 * 2**20  # L1 bytes unused cached blocks may keep (the rest go to L2 or leave)
     prefix_cache_disk_bytes: int = 1024 * 2**20  # L2 bytes they may keep (beyond it the least recently used leave)
     persist_cache: bool = False  # keep the L2 file and the prefix index in cold_zone_dir across restarts
+    vocab_size: int = 0  # the model's: token ids read back from a persistent index are below it
     attention_backend: str = "auto"  # decode attention: "auto" (the native CPU kernel where it runs), "native", "torch"
     level_media: dict[Level, str] = field(default_factory=dict)  # a level's medium by name (levels/registry.py)
 

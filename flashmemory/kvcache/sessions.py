@@ -77,6 +77,10 @@ class CacheSessions:
                     log.warning("a cached block could not be written down (%s); it will be recomputed", e)
         return self.store.save(self.prefix_cache, disk, self._digests, self.sessions)
 
+    def stats(self) -> dict[str, int]:
+        """The persistent index's counters (what recovery refused); empty without persist_cache."""
+        return self.store.stats() if self.store is not None else {}
+
     def close(self) -> None:
         if self.store is None:
             return
@@ -89,7 +93,7 @@ class CacheSessions:
     def _recover(self) -> None:
         assert self.store is not None
         found, self._digests = self.store.load(self.prefix_cache, self.blocks, self.levels[Level.DISK])
-        for name, tokens in (found.sessions or {}).items():
+        for name, tokens in found.sessions.items():
             if found.discarded_namespace:  # no block of it is cached: keep its tokens, a prompt recomputes them
                 self.sessions[name] = list(tokens)
                 continue

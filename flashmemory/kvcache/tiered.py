@@ -73,8 +73,8 @@ class TieredKVCache(KVCache):
             self.choice_observers.append(self.trace)
         self.sessions: CacheSessions | None = None  # named conversations and (persist_cache) the saved index
         if self.prefix_cache is not None:
-            store = PrefixStore(cfg.cold_zone_dir, cfg.prefix_namespace()) \
-                if cfg.persist_cache and Level.DISK in self.levels else None
+            persistent = cfg.persist_cache and Level.DISK in self.levels
+            store = PrefixStore.for_config(cfg) if persistent else None
             self.sessions = CacheSessions(self.prefix_cache, self.blocks, self.levels, self.placement,
                                           self._computed_digest, store, cfg.block_size)
         prefetch = build_prefetch(cfg, self.levels)
@@ -372,6 +372,8 @@ class TieredKVCache(KVCache):
                 out[f"L{int(level)}_{key}"] = n
         if self.prefix_cache is not None:
             out.update(self.prefix_cache.stats())
+        if self.sessions is not None:
+            out.update(self.sessions.stats())  # persist_cache: what recovery discarded
         if self.prefetcher is not None:
             out.update(self.prefetcher.stats())
         if self.device_staging is not None:

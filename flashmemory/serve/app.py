@@ -187,7 +187,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
         state.require_ready()
-        return JSONResponse({"status": "ok"})
+        # 200 either way: a degraded server still answers every request.
+        return JSONResponse(state.worker.health)
 
     @app.get("/version")
     async def version() -> Response:

@@ -79,6 +79,7 @@ class EngineWorker:
         self.engine: Any = None
         self.core: EngineCore | None = None
         self.kv_stats: dict[str, int | float] = {}  # latest snapshot, replaced whole after every step
+        self.health: dict[str, Any] = {"status": "ok"}  # the engine's (GET /health), as kv_stats
         self._outbox: list[Delivery] = []  # sent after each step's bookkeeping is published
 
     @property
@@ -191,6 +192,7 @@ class EngineWorker:
         if self.engine.budget_controller is not None:
             stats.update(self.engine.budget_controller.stats())
         self.kv_stats = stats
+        self.health = self.engine.health()  # probes the levels here, on the thread that owns them
         self.metrics.publish_kv(stats)
         self.metrics.num_requests_running.set(s.num_running)
         self.metrics.num_requests_waiting.set(s.num_waiting)

@@ -3,7 +3,10 @@ prefill (the exact configuration), anything doubtful is recomputed, never served
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import zlib
 
 import numpy as np
 import pytest
@@ -119,3 +122,76 @@ def test_a_saved_session_survives_eviction_and_a_restart(tiny_llama, tmp_path):
     with pytest.raises(ConfigError, match="no session named 'alice'"):
         second.load_session("alice")
     second.close()
+
+
+def test_a_malformed_index_never_stops_the_engine_starting(tiny_llama, tmp_path, caplog):
+    prompt = DOCUMENT * 2 + "Who?"
+    first = _engine(tiny_llama, tmp_path)
+    expected = first.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    first.close()
+    index = tmp_path / INDEX_NAME
+    index.write_bytes(index.read_bytes()[: index.stat().st_size // 2])  # torn, or tampered with
+    with caplog.at_level(logging.WARNING, logger="flashmemory.kvcache.prefix_store"):
+        second = _engine(tiny_llama, tmp_path)  # starts, every time
+    lines = [r for r in caplog.records if "discarding the prefix-cache index" in r.getMessage()]
+    stats = second.stats()
+    assert len(lines) == 1 and stats["persist_index_discarded"] == 1
+    assert stats["prefix_cache_blocks"] == 0
+    assert second.generate(prompt, max_new_tokens=8, ignore_eos=True) == expected
+    second.close()
+    third = _engine(tiny_llama, tmp_path)  # the index written at that shutdown is whole again
+    stats = third.stats()
+    assert stats["persist_index_discarded"] == 0 and stats["persist_records_recovered"] > 0
+    third.close()
+
+
+def test_a_forged_record_with_valid_checksums_is_recomputed_not_served(tiny_llama, tmp_path):
+    prompt = DOCUMENT * 2 + "Who?"
+    first = _engine(tiny_llama, tmp_path)
+    expected = first.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    pool = first.cache.disk_pool
+    shape, record_bytes, segment = pool.shape, pool.record_bytes, pool.segment_bytes
+    layers = pool.num_layers
+    first.close()
+    with np.load(tmp_path / INDEX_NAME) as index:
+        slot, name = int(index["slots"][0]), int.from_bytes(index["names"][0].tobytes(), "little")
+    rng = np.random.default_rng(0)
+    forged = [rng.integers(0, 256, segment, dtype=np.uint8).tobytes() for _ in range(layers)]
+    with open(tmp_path / "kv-cache.cold", "r+b") as f:  # other KV, same name, matching CRCs
+        f.seek(slot * record_bytes)
+        f.write(shape.pack(name, [zlib.crc32(s) for s in forged]) + b"".join(forged))
+    second = _engine(tiny_llama, tmp_path)
+    assert second.stats()["persist_records_discarded_unauthenticated"] == 1
+    assert second.generate(prompt, max_new_tokens=8, ignore_eos=True) == expected
+    second.close()
+
+
+def test_deleted_cold_file_is_recreated_and_health_says_degraded_then_recovers(
+        tiny_llama, tmp_path, monkeypatch):
+    from flashmemory.kvcache.levels.cold_file import ColdFile
+
+    prompts = [f"{i} " + DOCUMENT * 2 for i in range(2)]
+    engine = _engine(tiny_llama, tmp_path)
+    expected = [engine.generate(p, max_new_tokens=8, ignore_eos=True) for p in prompts]
+    assert engine.health() == {"status": "ok"}
+    no_space = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def no_new_file(self):
+        raise no_space
+
+    monkeypatch.setattr(ColdFile, "_new_persistent_file", no_new_file)
+    os.unlink(tmp_path / "kv-cache.cold")
+    health = engine.health()
+    assert health["status"] == "degraded" and "cannot be re-created" in health["reasons"][0]
+    assert str(tmp_path) not in str(health)  # /health is public
+    served = [engine.generate(p, max_new_tokens=8, ignore_eos=True) for p in prompts]
+    assert served == expected  # from the deleted file
+    monkeypatch.undo()
+    engine.cache.disk_pool.file._retry_at = 0.0  # the next try is due
+    assert engine.health() == {"status": "ok"} and (tmp_path / "kv-cache.cold").exists()
+    assert engine.stats()["L2_file_recreated"] == 1
+    engine.close()
+    again = _engine(tiny_llama, tmp_path)  # what the new file holds survives the restart
+    assert [again.generate(p, max_new_tokens=8, ignore_eos=True) for p in prompts] == expected
+    stats = again.stats()
+    assert stats["persist_records_recovered"] > 0 and stats["L2_prefix_hit_blocks"] > 0
+    again.close()

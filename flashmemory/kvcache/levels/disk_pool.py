@@ -3,17 +3,23 @@
 Record layout, one per slot at offset slot * record_bytes: the header (cold_record.py: format, shape, model
 fingerprint, the block's name, a crc32 per layer segment), then num_layers segments, each the codec's parts of that
 layer concatenated in part order. The file is private scratch space (named after its process, removed on close),
-or with `persistent=True` the stable kv-cache.cold of its folder, kept for the next process (locked while open).
+or with `persistent=True` the stable kv-cache.cold of its folder (cache_folder.py: a private
+folder, no links followed, 0600), kept for the next process (locked while open); there every
+record written also gets a keyed MAC (record_mac.py), which the prefix index keeps so the next
+process trusts only what this one wrote.
 
 A read verifies the file still exists, is long enough, and that the segment's crc32 matches what was
 written; any failure raises ColdBlockError and is counted by reason. A corrupt block is never served.
+A file deleted under a running process loses nothing: it is re-created with the live records
+carried over (cold_file.py); while it cannot be, `health` says why.
+NOTE: error messages name no file (clients may see them); the log does.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
-import tempfile
 import threading
 import zlib
 from pathlib import Path
@@ -22,15 +28,17 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from flashmemory.errors import ColdBlockError, ColdZoneFullError, ColdZoneWriteError, ConfigError
-from flashmemory.kvcache.levels import cold_files
+from flashmemory.errors import ColdBlockError, ColdZoneFullError, ColdZoneWriteError
+from flashmemory.kvcache.levels.cache_folder import CacheFolder
+from flashmemory.kvcache.levels.cold_file import ColdFile
 from flashmemory.kvcache.levels.cold_record import RecordShape
 from flashmemory.kvcache.levels.file_io import PositionalIO
+from flashmemory.kvcache.levels.record_mac import RecordSigner
 from flashmemory.kvcache.levels.protocol import Slots
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.quant import Codec, Parts
 
-PERSISTENT_NAME = "kv-cache.cold"  # the file of a persistent cold zone (persist_cache)
+log = logging.getLogger(__name__)
 
 
 class BatchRead(Protocol):
@@ -58,6 +66,7 @@ class DiskPool:
         model_fingerprint: bytes,
         io: PositionalIO | None = None,
         persistent: bool = False,
+        namespace: bytes = b"",
     ) -> None:
         self.codec = codec
         self.io = io or PositionalIO()  # positional reads/writes (a fault-injecting one in stress tests)
@@ -78,6 +87,7 @@ class DiskPool:
         self.bytes_written = 0
         self.bytes_read = 0
         self._crcs: dict[int, list[int]] = {}  # slot -> per-layer crc32 of what was written
+        self._tags: dict[int, bytes] = {}  # slot -> its record's MAC (persistent only)
         # Bumped when a slot is (re)written or freed, before the bytes change: a copy read ahead of need (prefetch)
         # is served only while its slot's generation is the one it was read under.
         self._generations: dict[int, int] = {}
@@ -85,98 +95,53 @@ class DiskPool:
         # A batched read of many segments (the native kernel's, plugged in by the cache: use_batch_read).
         self._batch_read: BatchRead | None = None
         self._counter_lock = threading.Lock()  # reads also come from prefetch threads
-        self._owned_dir: tempfile.TemporaryDirectory | None = None
+        self.file = ColdFile(num_slots * self.record_bytes, directory, persistent)
         self.persistent = persistent
-        if persistent:
-            self._open_persistent(Path(directory) if directory is not None else None)
-            return
-        if directory is None:
-            root = cold_files.default_root()
-            try:
-                root.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ConfigError(f"cannot create the cold-zone folder {root} ({e.strerror}); set cold_zone_dir "
-                                  "to a writable folder or cold_zone_enabled=False") from e
-            cold_files.remove_orphan_temp_dirs(root)
-            self._owned_dir = tempfile.TemporaryDirectory(prefix=cold_files.TEMP_DIR_PREFIX, dir=root)
-            directory = self._owned_dir.name
-        folder = Path(directory)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            cold_files.remove_orphans(folder)
-            fd, name = tempfile.mkstemp(prefix=cold_files.file_prefix(), suffix=".cold", dir=folder)
-            cold_files.hold(fd)
-        except OSError as e:
-            raise ConfigError(
-                f"cold_zone_dir {str(folder)!r} is not writable ({e.strerror}); choose another folder or set "
-                "cold_zone_enabled=False"
-            ) from e
-        self.path = Path(name)
-        self._fd = fd
-        try:
-            os.ftruncate(fd, num_slots * self.record_bytes)  # sparse: disk is used as blocks are written
-        except OSError as e:
-            os.close(fd)
-            raise ConfigError(f"cannot size the cold zone file {name} to {num_slots * self.record_bytes} bytes: "
-                              f"{e.strerror}; lower the cold-zone capacity or free disk space") from e
+        # A persistent file's records get a MAC, kept by the prefix index: the next process
+        # trusts only those.
+        self.signer = RecordSigner(self.file.secret, namespace) if persistent else None
 
-    def _open_persistent(self, folder: Path | None) -> None:
-        """Open (or create) the folder's stable cold-zone file and lock it: one process per folder."""
-        if folder is None:
-            raise ConfigError("persist_cache needs a cold_zone_dir: the folder whose cache survives restarts")
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            self.path = folder / PERSISTENT_NAME
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as e:
-            raise ConfigError(f"cold_zone_dir {str(folder)!r} is not writable ({e.strerror}); choose another "
-                              "folder") from e
-        try:
-            cold_files.hold(self._fd)
-        except OSError:
-            os.close(self._fd)
-            self._fd = -1
-            raise ConfigError(f"cold_zone_dir {str(folder)!r} is in use by another running FlashMemory process "
-                              "(its persistent cache is locked); give each server its own cold_zone_dir") from None
-        try:
-            os.ftruncate(self._fd, self.num_slots * self.record_bytes)  # grown or shrunk to this capacity
-        except OSError as e:
-            os.close(self._fd)
-            raise ConfigError(f"cannot size the cold zone file {self.path} to {self.num_slots * self.record_bytes} "
-                              f"bytes: {e.strerror}; lower cold_zone_gb or free disk space") from e
+    @property
+    def _fd(self) -> int:
+        return self.file.fd
 
-    def read_name(self, slot: int) -> tuple[int, list[int]] | None:
-        """(name, per-layer crcs) the slot's header says it holds, or None when it holds no valid block of this
-        file's shape (recovering a persistent cache: a slot rewritten or torn since the index was saved)."""
-        return self.shape.parse(self.io.pread(self._fd, self.header_bytes, slot * self.record_bytes))
+    @property
+    def path(self) -> Path:
+        return self.file.path
 
-    def adopt(self, slot: int, crcs: list[int]) -> None:
-        """Serve the block a previous process wrote in `slot` (its checksums read back from its header)."""
+    @property
+    def folder(self) -> CacheFolder | None:
+        """The checked folder of a persistent file (where its index lives); None for scratch."""
+        return self.file.folder
+
+    def read_record(self, slot: int) -> bytes:
+        """The slot's whole record as stored (header and every layer), for a MAC check (short at
+        the end of a truncated file)."""
+        return self.io.pread(self._fd, self.header_bytes + self.num_layers * self.segment_bytes,
+                             slot * self.record_bytes)
+
+    def tag_of(self, slot: int) -> bytes | None:
+        """The MAC of the record in `slot` (None: it holds none, or the file is not persistent)."""
+        return self._tags.get(slot)
+
+    def adopt(self, slot: int, crcs: list[int], tag: bytes | None = None) -> None:
+        """Serve the block a previous process wrote in `slot` (its checksums read back from its
+        header, its MAC checked by the caller)."""
         self._crcs[slot] = crcs
+        if tag is not None:
+            self._tags[slot] = tag
 
     def sync(self) -> None:
         """Flush the file to the disk (before an index that refers to it is published)."""
-        if self._fd >= 0:
-            os.fsync(self._fd)
+        self.file.sync()
 
     @property
     def capacity_bytes(self) -> int:
         return self.num_slots * self.bytes_per_slot
 
     def close(self) -> None:
-        if self._fd >= 0:
-            if self.persistent:
-                self.sync()
-            os.close(self._fd)
-            self._fd = -1
-            if not self.persistent:
-                try:
-                    self.path.unlink()
-                except OSError:
-                    pass
-        if self._owned_dir is not None:
-            self._owned_dir.cleanup()
-            self._owned_dir = None
+        if hasattr(self, "file"):
+            self.file.close()
 
     def __del__(self) -> None:  # best effort; the engine closes explicitly
         try:
@@ -207,25 +172,33 @@ class DiskPool:
         slot holds no block afterwards (the caller gives it back)."""
         self._generations[slot] = self._generations.get(slot, 0) + 1
         self._crcs.pop(slot, None)  # from here until the write completes, the slot serves nothing
+        self._tags.pop(slot, None)
         segments = [self._segment(parts, layer) for layer in range(self.num_layers)]
         crcs = [zlib.crc32(s) for s in segments]
         record = self.shape.pack(name, crcs) + b"".join(segments)
         try:
-            self.io.pwrite(self._fd, record, slot * self.record_bytes)
+            with self.file.lock:  # not into a file a replacement is leaving
+                self._ensure_file()
+                self.io.pwrite(self._fd, record, slot * self.record_bytes)
         except OSError as e:
             full = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
             with self._counter_lock:
                 self.write_failures["full" if full else "io"] += 1
+            log.warning("writing cold slot %d to %s failed: %s", slot, self.path, e)
             if full:
-                raise ColdZoneFullError(f"the cold zone's disk is full ({self.path.parent}: {e.strerror}); free disk "
-                                        "space, lower cold_zone_gb, or shorten the context") from e
-            raise ColdZoneWriteError(f"writing cold slot {slot} to {self.path} failed: {e.strerror or e}") from e
+                raise ColdZoneFullError(f"the cold zone's disk is full ({e.strerror}); free disk "
+                                        "space in cold_zone_dir, lower cold_zone_gb, or shorten "
+                                        "the context") from e
+            raise ColdZoneWriteError(f"writing cold slot {slot} failed: {e.strerror or e}") from e
         self._crcs[slot] = crcs
+        if self.signer is not None:
+            self._tags[slot] = self.signer.record_tag(slot, record)
         self.bytes_written += len(record)
 
     def free(self, slot: int) -> None:
         """Forget a slot: its magic is zeroed so stale bytes can never be read back as a block."""
         self._generations[slot] = self._generations.get(slot, 0) + 1
+        self._tags.pop(slot, None)
         if self._crcs.pop(slot, None) is not None and self._fd >= 0:
             try:
                 self.io.pwrite(self._fd, b"\0\0\0\0", slot * self.record_bytes)
@@ -239,6 +212,7 @@ class DiskPool:
         if count:
             with self._counter_lock:
                 self.load_failures[reason] += 1
+        log.debug("%s (%s)", message, self.path)
         return ColdBlockError(message, reason=reason)
 
     def read_segment(self, slot: int, layer: int, count_failures: bool = True) -> bytes:
@@ -253,7 +227,8 @@ class DiskPool:
         if self.uncached_reads:
             os.posix_fadvise(self._fd, slot * self.record_bytes, self.record_bytes, os.POSIX_FADV_DONTNEED)
         if len(data) < self.segment_bytes:
-            raise self._fail("truncated", f"cold zone file {self.path} is truncated at slot {slot}", count_failures)
+            raise self._fail("truncated", f"the cold-zone file is truncated at slot {slot}",
+                             count_failures)
         if zlib.crc32(data) != expected[layer]:
             raise self._fail("checksum", f"cold block slot {slot} layer {layer} failed its checksum", count_failures)
         with self._counter_lock:
@@ -261,9 +236,27 @@ class DiskPool:
         return data
 
     def check_file(self) -> None:
-        """Raise ColdBlockError("missing") when the cold-zone file was deleted under us."""
-        if os.fstat(self._fd).st_nlink == 0:
-            raise self._fail("missing", f"cold zone file {self.path} was deleted; its KV blocks are lost")
+        """Move to a new file if the cold-zone file was deleted under us (its blocks carried
+        over: cold_file.py); ColdBlockError("missing") once the pool is closed (a read-ahead
+        thread outliving it)."""
+        if self._fd < 0:
+            raise self._fail("missing", "the cold zone is closed")
+        self._ensure_file()
+
+    def health(self) -> str | None:
+        """Why the level is not as it should be (its file deleted and not replaceable), or None;
+        probes the file."""
+        self._ensure_file()
+        return self.file.failed
+
+    def _ensure_file(self) -> None:
+        moved = self.file.ensure(self._live_ranges)
+        if moved and self.uncached_reads and self.file.failed is None:
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+    def _live_ranges(self) -> list[tuple[int, int]]:
+        """The byte ranges of the records in use (what a new file must hold), in file order."""
+        return [(slot * self.record_bytes, self.record_bytes) for slot in sorted(self._crcs)]
 
     def counters(self) -> dict[str, int]:
         with self._counter_lock:
@@ -271,6 +264,9 @@ class DiskPool:
             out.update({f"load_failures_{reason}": n for reason, n in self.load_failures.items()})
             out.update({f"write_failures_{reason}": n for reason, n in self.write_failures.items()})
         out["bytes_committed"] = self.committed_bytes()
+        out["file_recreated"] = self.file.num_recreated
+        out["files_refused"] = self.file.folder.num_refused if self.file.folder is not None else 0
+        out["failed"] = int(self.file.failed is not None)
         return out
 
     def committed_bytes(self) -> int:
@@ -331,7 +327,7 @@ class DiskPool:
         """Check a slot's on-disk header (magic, version, shape, fingerprint, header crc)."""
         raw = self.io.pread(self._fd, self.header_bytes, slot * self.record_bytes)
         if len(raw) < self.header_bytes:
-            raise self._fail("truncated", f"cold zone file {self.path} is truncated at slot {slot}")
+            raise self._fail("truncated", f"the cold-zone file is truncated at slot {slot}")
         if self.shape.parse(raw) is None:
             raise self._fail("header", f"cold block slot {slot} has a bad header (format, shape or model mismatch)")
 

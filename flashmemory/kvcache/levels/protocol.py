@@ -57,6 +57,10 @@ class StorageLevel(Protocol):
     def check_medium(self) -> None:
         """Raise ColdBlockError when the medium itself is gone (e.g. the file was deleted)."""
 
+    def health(self) -> str | None:
+        """Why the level is not as it should be (a sentence naming no file: /health shows it), or
+        None."""
+
     def parts_from_segments(self, data: bytes, n: int) -> Parts:
         """n segments back to back -> parts [n, num_kv_heads, ...]."""
 

@@ -31,7 +31,8 @@ def _host_memory(level: Level, codec: Codec, num_slots: int, cfg: TieredCacheCon
 
 def _disk_file(level: Level, codec: Codec, num_slots: int, cfg: TieredCacheConfig) -> StorageLevel:
     pool = DiskPool(codec, num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.block_size, cfg.head_dim,
-                    cfg.cold_zone_dir, cfg.model_fingerprint, persistent=cfg.persist_cache)
+                    cfg.cold_zone_dir, cfg.model_fingerprint, persistent=cfg.persist_cache,
+                    namespace=cfg.prefix_namespace())
     pool.set_uncached_reads(cfg.cold_zone_uncached_reads)
     return pool
 

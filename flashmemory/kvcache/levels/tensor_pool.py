@@ -90,6 +90,9 @@ class TensorPool:
     def check_medium(self) -> None:
         """Memory cannot vanish under us."""
 
+    def health(self) -> str | None:
+        return None
+
     def parts_from_segments(self, data: bytes, n: int) -> Parts:
         records = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(n, self.storage.shape[1], -1)
         return self._parts(records.to(self.device))

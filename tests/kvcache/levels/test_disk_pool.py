@@ -87,9 +87,23 @@ def test_truncated_cold_file_is_detected(pool):
     assert e.value.reason == "truncated" and pool.load_failures["truncated"] == 1
 
 
-def test_deleted_cold_file_is_detected(pool):
+def test_deleted_cold_file_is_recreated_with_its_blocks(pool):
+    parts = pool.codec.encode(*_block(3))
+    pool.put(0, parts)
+    deleted = pool.path
+    os.unlink(deleted)
+    got = pool.get_layer([0], 1)  # served, then from a new file holding the block
+    assert torch.equal(got["codes"][0], parts["codes"][1])
+    assert pool.path.exists() and os.fstat(pool._fd).st_nlink == 1
+    assert pool.counters()["file_recreated"] == 1
+    pool.put(1, pool.codec.encode(*_block(4)))  # new blocks go to the new file
+    assert os.path.getsize(pool.path) == pool.num_slots * pool.record_bytes
+    assert pool.health() is None
+
+
+def test_a_closed_pool_reports_its_file_missing(pool):
     pool.put(0, pool.codec.encode(*_block(3)))
-    os.unlink(pool.path)
+    pool.close()
     with pytest.raises(ColdBlockError) as e:
         pool.get_layer([0], 0)
     assert e.value.reason == "missing" and pool.load_failures["missing"] == 1
