@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from http import HTTPStatus
 
 from starlette.responses import JSONResponse
@@ -70,6 +71,15 @@ class APIError(Exception):
         except ValueError:
             phrase = "error"
         return cls(status, detail or phrase)
+
+
+_PATH = re.compile(r"(?<![\w.])(?:~|\.{1,2})?/[^\s'\"():,;]+")
+
+
+def without_paths(text: str) -> str:
+    """`text` with file system paths replaced by "<path>": what the server log may say, a client is not told
+    (where the model and the cache live on the host)."""
+    return _PATH.sub("<path>", text)
 
 
 def error_response(error: APIError) -> JSONResponse:

@@ -8,7 +8,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashmemory.serve.api_errors import APIError
+from flashmemory.serve.api_errors import APIError, without_paths
 from flashmemory.serve.config import ServerConfig
 from flashmemory.serve.metrics import ServerMetrics
 from flashmemory.serve.worker import EngineWorker
@@ -38,7 +38,7 @@ class ServerState:
             raise APIError(503, "the model is still loading; retry when GET /health returns 200",
                            code="model_loading", headers={"Retry-After": "5"})
         if state != "ready":
-            detail = f": {self.worker.error}" if self.worker.error else ""
+            detail = f": {without_paths(self.worker.error)}" if self.worker.error else ""
             raise APIError(503, f"the engine is not running{detail}", code="engine_dead")
 
     def check_model(self, model: str | None) -> None:

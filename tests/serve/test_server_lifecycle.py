@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from flashmemory import FlashMemoryEngine
-from flashmemory.errors import CapacityError, DeviceLostError
+from flashmemory.errors import CapacityError, ConfigError, DeviceLostError
 from tests.serve.conftest import TINY_KV, live_server
 
 LONG = {"prompt": "Alice was", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
@@ -53,6 +53,16 @@ def test_a_model_that_fails_to_load_leaves_health_at_503_with_the_reason(kwargs)
         r = http.get("/health")
         assert r.status_code == 503 and "simulated: no memory" in r.json()["error"]["message"]
         assert http.post("/v1/completions", json={"prompt": "hi"}).status_code == 503
+
+
+def test_a_load_failure_shown_on_health_names_no_file_path(kwargs):
+    def failing_factory():
+        raise ConfigError("cold_zone_dir /srv/cache/kv is writable by others: chmod go-w /srv/cache/kv")
+
+    with live_server(kwargs, engine_factory=failing_factory) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as http:
+        message = http.get("/health").json()["error"]["message"]
+        assert "writable by others" in message and "/srv" not in message and "<path>" in message
 
 
 def test_an_error_mid_stream_sends_an_error_chunk_then_done_and_frees_the_blocks(kwargs):
