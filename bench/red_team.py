@@ -24,7 +24,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import httpx
@@ -436,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 run.stop()
             print(f"{name}: {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)
-    out = asdict(tally)
+    # asdict would rebuild each Counter from (key, value) pairs, counting the pairs: copy the fields instead.
+    out = {f.name: dict(v) if isinstance(v, Counter) else v
+           for f in fields(tally) for v in [getattr(tally, f.name)]}
     out["elapsed_s"] = round(time.monotonic() - started, 1)
     out["load_avg"] = os.getloadavg()
     rows = [("requests tried", tally.requests), ("5xx", tally.server_5xx), ("engine deaths", tally.engine_deaths),
