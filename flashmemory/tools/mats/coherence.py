@@ -3,8 +3,9 @@
 Each round builds a TieredKVCache with query-aware selection, the Prefetcher's reader threads and DeviceStaging's
 copier thread, pools small enough that blocks are evicted under pressure and slots are rewritten soon after they
 are freed, and a cold-zone file whose I/O injects faults (faults.py): bit flips in what reads return, ENOSPC on
-block writes, slow reads, the file truncated or deleted under the cache. The random workload runs with a decode-
-heavy mix plus direct reads through the prefetcher and the staging area. Every byte the prefetch subsystem serves
+block writes, slow reads, the file truncated or deleted under the cache (a deleted file must be re-created with
+its records intact). The random workload runs with a decode-heavy mix plus direct reads through the prefetcher
+and the staging area. Every byte the prefetch subsystem serves
 is checked against the shadow (read_watch.py); every injected fault must end in a ColdBlockError or
 ColdZoneFullError and never be served; no slot may leak, and once every sequence is freed nothing may stay staged.
 However short the run, every round ends only once the prefetcher's reader threads have read ahead
@@ -268,13 +269,29 @@ class Round:
         return True
 
     def op_delete(self) -> bool:
-        """Delete the file under the cache; reading any cold block must fail from now on (the round ends)."""
+        """Delete the file under the cache. The pool re-creates it from its open descriptor with the live records
+        carried over, so a cold block must still read back what was written (checked against the shadow); where
+        it cannot, the read must fail, and the round ends."""
         cold = self._cold_blocks()
         if not cold:
             return False
+        name = self.pool.path.name
         os.unlink(self.pool.path)
-        self.file_deleted = True
-        self._expect_lost("deletion", f"{self.pool.path.name} deleted", self._pick(cold)[2])
+        slot = self._pick(cold)[2]
+        fault = self.ledger.inject("deletion", f"{name} deleted")
+        layer = self.pool.num_layers - 1
+        try:
+            with self.io.quiet():
+                parts = self.pool.read_layer([slot], layer)
+        except ColdBlockError as error:
+            fault.detected = True  # not recovered, but never served: the round ends on a lost file
+            self.counters[f"fault_reads_failed_{error.reason}"] += 1
+            self.file_deleted = True
+            return True
+        wrong = self.checker.check_layer(Level.DISK, [slot], parts, layer, "read after its file was deleted")
+        fault.detected = wrong == 0  # recovered intact (a wrong read is counted as one by the checker)
+        fault.served = not fault.detected
+        self.counters["deleted_files_recovered"] += fault.detected
         return True
 
     def _expect_lost(self, kind: str, where: str, slot: int) -> None:

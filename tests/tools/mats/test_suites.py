@@ -63,6 +63,16 @@ def test_mats2_on_a_sound_cache_detects_every_injected_fault_and_serves_nothing_
     assert checks["stale or wrong reads"].value == 0 and checks["leaked slots"].value == 0
 
 
+def test_mats2_a_deleted_cold_file_is_recovered_with_every_record_intact(tmp_path, monkeypatch):
+    monkeypatch.setitem(coherence.WEIGHTS, "delete", 8)  # many deletions in a few seconds
+    report = run_coherence(MatsOptions(duration_s=4.0, seed=6, workdir=str(tmp_path)))
+    assert report.passed, report.render_text()
+    faults = next(t for t in report.tables if t.title == "Injected disk faults")
+    injected = {row[0]: (row[1], row[2]) for row in faults.rows}
+    assert injected["deletion"][0] > 0 and injected["deletion"][0] == injected["deletion"][1]
+    assert report.counters["deleted_files_recovered"] == injected["deletion"][0]
+
+
 def test_mats2_races_the_prefetcher_however_short_the_run(tmp_path):
     report = run_coherence(MatsOptions(duration_s=0.2, seed=4, workdir=str(tmp_path)))
     assert report.passed, report.render_text()
