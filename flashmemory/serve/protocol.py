@@ -176,14 +176,8 @@ class CompletionRequest(_GenerationRequest):
     @model_validator(mode="wrap")
     @classmethod
     def _name_the_bad_prompt_element(cls, data: Any, handler: Any) -> Any:
-        try:
-            return handler(data)
-        except ValidationError as e:
-            fix = f"prompt must be {PROMPT_FORMS}"
-            error = _element_error(e, data, "prompt", fix, forms_by_first=True)
-            if error is not None:
-                raise error from None
-            raise
+        return _validated_naming_elements(handler, data, "prompt", f"prompt must be {PROMPT_FORMS}",
+                                          forms_by_first=True)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids."""
@@ -296,14 +290,20 @@ class DetokenizeRequest(_Request):
     @model_validator(mode="wrap")
     @classmethod
     def _name_the_bad_token(cls, data: Any, handler: Any) -> Any:
-        try:
-            return handler(data)
-        except ValidationError as e:
-            fix = "tokens must be a list of token ids (integers)"
-            error = _element_error(e, data, "tokens", fix)
-            if error is not None:
-                raise error from None
-            raise
+        return _validated_naming_elements(handler, data, "tokens",
+                                          "tokens must be a list of token ids (integers)")
+
+
+def _validated_naming_elements(handler: Any, data: Any, name: str, fix: str,
+                               forms_by_first: bool = False) -> Any:
+    """Run pydantic's validation; a bad element of list field `name` becomes a 400 naming its index."""
+    try:
+        return handler(data)
+    except ValidationError as e:
+        error = _element_error(e, data, name, fix, forms_by_first=forms_by_first)
+        if error is not None:
+            raise error from None
+        raise
 
 
 def _element_error(e: ValidationError, data: Any, field: str, fix: str,

@@ -4,6 +4,7 @@ quotes froze the server for 13 s, and an 8 MiB array of floats for a minute (and
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -17,8 +18,9 @@ from tests.serve.test_server_errors import error_of
 
 MAX_BODY_BYTES = 8 * 2**20  # the default --max-body-bytes: the largest body a client can send
 FAST_S = 1.0  # generous: a bound on complexity, not a benchmark (0.01-0.6 s a case here)
-# On a loaded machine the bound grows with the time to move and parse a plain body of the same size:
-# a quadratic parse (13 s for 64 KB before the fix) is still far beyond it, a busy CI runner is not.
+# On a loaded machine the bound grows with the time to move a plain body of the same size and to parse
+# as many bytes of numbers (about 0.15 s here when idle): a quadratic parse (13 s for 64 KB before the fix)
+# is still far beyond it, a busy CI runner is not.
 LOAD_FACTOR = 8
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -70,12 +72,17 @@ HOSTILE = {  # id: (route, body, param, a fragment of the message)
 
 
 def _plain_body_s(http: httpx.Client, size: int) -> float:
-    """Seconds to send, parse and answer a valid body of `size` bytes (a long string nobody reads)."""
+    """This machine's pace now: the longer of sending a valid body of `size` bytes (a long string nobody
+    reads) through the server and parsing `size` bytes of floats with json.loads in this process."""
     head = b'{"tokens":[],"pad":"'
     raw = head + b"a" * (size - len(head) - 2) + b'"}'
     start = time.monotonic()
     assert post_raw(http, "/detokenize", raw).status_code == 200
-    return time.monotonic() - start
+    sent = time.monotonic() - start
+    floats = b"[" + b"1.5," * (size // 4 - 1) + b"1.5]"
+    start = time.monotonic()
+    json.loads(floats)
+    return max(sent, time.monotonic() - start)
 
 
 def post_raw(http: httpx.Client, path: str, raw: bytes) -> httpx.Response:
