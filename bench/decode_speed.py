@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             ids = ids[:need]
         engine.cache.add_sequence(0)
         t0 = time.perf_counter()
-        engine._forward(0, ids[: len(ids) - decode_total])
+        engine.forward_tokens(0, ids[: len(ids) - decode_total])
         print(f"[{name}] prefilled {len(ids) - decode_total} tokens in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         engines[name] = engine
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, engine in engines.items():
             t0 = time.perf_counter()
             for token in window:
-                engine._forward(0, [token])
+                engine.forward_tokens(0, [token])
             per_step[name].append((time.perf_counter() - t0) / len(window))
 
     base = statistics.median(per_step[configs[0][0]])

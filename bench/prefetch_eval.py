@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     seq = 1
     cache.add_sequence(seq)
     started = time.perf_counter()
-    engine._forward(seq, ids[: args.context])
+    engine.forward_tokens(seq, ids[: args.context])
     prefill_s = time.perf_counter() - started
     print(f"prefilled {args.context} tokens in {prefill_s:.0f} s; L2 blocks {cache.stats()['L2_blocks']}",
           file=sys.stderr, flush=True)
@@ -78,14 +78,14 @@ def main(argv: list[str] | None = None) -> int:
                                 ranker=mode, predictor=predictor if mode == "predictor" else None)
             cache.use_prefetcher(pf)
             for _ in range(args.warmup):
-                engine._forward(seq, [ids[pos]])
+                engine.forward_tokens(seq, [ids[pos]])
                 pos += 1
             before = pf.stats() if pf else {}
             read_before = cache.disk_pool.bytes_read
             cache.disk_pool.drop_page_cache()
             t0 = time.perf_counter()
             for _ in range(args.steps):
-                engine._forward(seq, [ids[pos]])
+                engine.forward_tokens(seq, [ids[pos]])
                 pos += 1
             seconds = time.perf_counter() - t0
             row = {"tokens_per_s": args.steps / seconds, "disk_bytes_read": cache.disk_pool.bytes_read - read_before}

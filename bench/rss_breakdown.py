@@ -55,10 +55,10 @@ def main() -> int:
     stages.append(("text tokenized", _status()))
     seq_id = engine.core.next_seq_id()
     engine.cache.add_sequence(seq_id)
-    engine._forward(seq_id, ids[: args.context])
+    engine.forward_tokens(seq_id, ids[: args.context])
     stages.append((f"prefill of {args.context} tokens", _status()))
     for pos in range(args.context, args.context + args.steps):
-        engine._forward(seq_id, [ids[pos]])
+        engine.forward_tokens(seq_id, [ids[pos]])
     stages.append((f"{args.steps} decode steps", _status()))
     kv = {k: v for k, v in engine.stats().items()
           if k in ("L0_bytes", "L1_bytes_committed", "L2_bytes_committed", "selection_digest_bytes")}

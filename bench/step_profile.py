@@ -94,12 +94,14 @@ def main() -> int:
 
         restored, _ = restore_prefill(cache, seq_id, ids[: args.context], args.kv_snapshot,
                                       model_identity(engine_fingerprint(engine)), engine.config.prefill_chunk_tokens)
-    engine._forward(seq_id, ids[restored: args.context])
+    # Checkouts older than the public forward_tokens (a before/after comparison) call it _forward.
+    forward = getattr(engine, "forward_tokens", None) or engine._forward
+    forward(seq_id, ids[restored: args.context])
     rows = []
     for pos in range(args.context, args.context + args.steps):
         timers.seconds.clear()
         t0 = time.perf_counter()
-        engine._forward(seq_id, [ids[pos]])
+        forward(seq_id, [ids[pos]])
         total = time.perf_counter() - t0
         row = {k: v * 1e3 for k, v in timers.seconds.items()}
         row["total"] = total * 1e3

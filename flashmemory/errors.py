@@ -62,6 +62,10 @@ class HostBudgetError(ConfigError):
     """cpu_memory_gb or cold_zone_gb asks for more RAM or disk than the machine has free."""
 
 
+class SessionsUnavailableError(ConfigError):
+    """Named sessions were asked of a KV cache that keeps none (contiguous, or no prefix cache)."""
+
+
 class CapacityError(FlashMemoryError, MemoryError):
     """A KV level is full at run time and nothing can be demoted (e.g. host memory with the cold zone off)."""
 

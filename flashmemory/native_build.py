@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 BASE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC", "-std=c11")
 
@@ -56,7 +56,7 @@ def build_library(name: str, sources: Sequence[Path], flags: Sequence[str], what
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.info("no C compiler found: %s use the pure-torch paths (slower on CPU)", what)
+        logger.info("no C compiler found: %s use the pure-torch paths (slower on CPU)", what)
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -70,6 +70,7 @@ def build_library(name: str, sources: Sequence[Path], flags: Sequence[str], what
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.warning("could not build the native kernels of %s (%s); using the pure-torch paths", what,
-                    detail.strip()[:500])
+        logger.warning(
+            "could not build the native kernels of %s (%s); using the pure-torch paths", what,
+            detail.strip()[:500])
         return None

@@ -1,6 +1,7 @@
 """The package's import graph (walked from the source, imports inside functions included): no cycle, nothing
 imports upward (cli -> serve/tools -> engine -> {model, kvcache} -> config), and the parts meant to run without
-torch (the KV control plane, the scheduler) do not import it."""
+torch (the KV control plane, the scheduler) do not import it.
+And flashmemory/tools/ uses the engine and the cache by their public names (named exceptions)."""
 
 from __future__ import annotations
 
@@ -135,3 +136,98 @@ def test_kv_cache_parts_import_only_what_they_sit_on(part):
             bad = [t for t in targets for f in KVCACHE_FORBIDDEN[part]
                    if (t == f or t.startswith(f if f.endswith(".") else f + ".")) and not t.startswith(part)]
             assert bad == [], f"{module} imports {bad}"
+
+
+
+# flashmemory/tools/ drives the engine and the cache by their public names only. Each exception is
+# named with why it is one; an exception that no longer occurs fails too, so the lists stay true.
+STDLIB_SUBPARSERS = "argparse names add_subparsers()'s type only privately (a type hint)"
+TOOLS_PRIVATE_NAMES = {
+    ("flashmemory.tools.doctor.checks", "lib._name"):
+        "doctor's kernel check: ctypes.CDLL keeps the loaded library's path only in _name",
+    ("flashmemory.tools.bench.command", "argparse._SubParsersAction"):
+        STDLIB_SUBPARSERS,
+    ("flashmemory.tools.diagnose.command", "argparse._SubParsersAction"):
+        STDLIB_SUBPARSERS,
+    ("flashmemory.tools.doctor.command", "argparse._SubParsersAction"):
+        STDLIB_SUBPARSERS,
+}
+# What a tool may import of the cache: its contract and the names it publishes.
+TOOLS_CACHE_SURFACE = {
+    "flashmemory.kvcache.interface": "the KVCache contract (KVCache, ForwardBatch)",
+    "flashmemory.kvcache.config": "the cache's settings and storage dtypes",
+    "flashmemory.kvcache.snapshot": "the KV snapshot file format (bench compares snapshots)",
+    "flashmemory.kvcache.manager.blocks.Level": "the level names",
+}
+# The tools that look inside the cache on purpose.
+TOOLS_CACHE_INTERNALS = {
+    "flashmemory.tools.mats":
+        "MATS tests the cache: it checks block tables, codecs and levels against a shadow model "
+        "and injects faults below the interface",
+    "flashmemory.tools.doctor.checks":
+        "doctor's kernel checks build and load kvcache/native to say whether the kernels run here",
+    "flashmemory.tools.access_traces":
+        "records the prefetcher's access traces and trains its heat predictor (kvcache/prefetch)",
+    "flashmemory.tools.diagnose":
+        "diagnose times the cache's parts from inside (reader, placement, levels, prefetcher) and "
+        "maps each level's slots",
+}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_names(path: Path) -> list[str]:
+    """Underscore names `path` reaches on something other than self or cls, or imports."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(ast.unparse(node))
+        elif isinstance(node, ast.ImportFrom):
+            found += [f"{node.module}.{a.name}" for a in node.names if _is_private(a.name)]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1):
+            name = node.args[1]
+            if isinstance(name, ast.Constant) and _is_private(str(name.value)):
+                found.append(ast.unparse(node))
+    return found
+
+
+def _tool_modules() -> dict[str, Path]:
+    return {m: p for m, p in _modules().items() if m.startswith("flashmemory.tools")}
+
+
+def _under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_tools_use_only_public_names_of_the_engine_and_the_cache():
+    found = {(m, name) for m, path in _tool_modules().items() for name in _private_names(path)}
+    assert sorted(found - set(TOOLS_PRIVATE_NAMES)) == [], "use (or add) a public method instead"
+    assert sorted(set(TOOLS_PRIVATE_NAMES) - found) == [], "an exception that no longer occurs"
+
+
+def _cache_names(path: Path) -> list[str]:
+    """What `path` imports of the cache, each name in full (a module, or module.name)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names += [f"{node.module}.{a.name}" for a in node.names]
+    return [n for n in names if n.startswith("flashmemory.kvcache.")]
+
+
+def test_tools_import_only_the_public_surface_of_the_cache():
+    bad, used = [], set()
+    for module, path in _tool_modules().items():
+        names = _cache_names(path)
+        exception = [p for p in TOOLS_CACHE_INTERNALS if _under(module, [p])]
+        if exception:
+            used.update(exception if names else [])
+            continue
+        bad += [f"{module} imports {n}" for n in names if not _under(n, TOOLS_CACHE_SURFACE)]
+    assert bad == [], "reach the cache through TOOLS_CACHE_SURFACE (or make what it needs public)"
+    assert sorted(set(TOOLS_CACHE_INTERNALS) - used) == [], "an exception that no longer occurs"

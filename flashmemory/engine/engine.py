@@ -14,6 +14,7 @@ from flashmemory.config import EngineConfig
 from flashmemory.engine.budget_controller import BudgetController
 from flashmemory.engine.cache_factory import build_budget_controller, build_kv_cache, check_budgets, device_plan_for
 from flashmemory.engine.core import Delivery, EngineCore
+from flashmemory.engine.forward import forward_chunks
 from flashmemory.engine.observer import StepObserver
 from flashmemory.engine.options import RequestOptions, is_batch, request_options
 from flashmemory.engine.request import SequenceOutput, SequenceRequest
@@ -22,8 +23,7 @@ from flashmemory.engine.scoring import ScoreResult, score_tokens
 from flashmemory.engine.stats import GenerationStats, peak_memory
 from flashmemory.errors import ConfigError, EngineBusyError, FlashMemoryError, PromptTooLongError
 from flashmemory.engine.sizing import DevicePlan
-from flashmemory.kvcache.interface import ForwardBatch, KVCache
-from flashmemory.kvcache.tiered import TieredKVCache
+from flashmemory.kvcache.interface import KVCache
 from flashmemory.model.loader import build_model, open_checkpoint, weights_bytes
 from flashmemory.model.tokenizer import Tokenizer
 
@@ -140,7 +140,7 @@ class FlashMemoryEngine:
             opts = request_options(options)
             prompts = [self._prompt_ids(p) for p in prompt]
             for ids in prompts:
-                self._check_prompt(ids, opts.params.max_new_tokens)
+                self.check_prompt(ids, opts.params.max_new_tokens)
             requests = [_request(i, ids, opts, started) for i, ids in enumerate(prompts)]
             results = self._run_batch(requests)
             return ["".join(out.text for out in outs) for outs in results]
@@ -176,7 +176,7 @@ class FlashMemoryEngine:
         batch = is_batch(prompt)
         prompts = [self._prompt_ids(p) for p in prompt] if batch else [self._prompt_ids(prompt)]
         for ids in prompts:
-            self._check_prompt(ids, opts.params.max_new_tokens)
+            self.check_prompt(ids, opts.params.max_new_tokens)
         requests = [_request(i, ids, opts, started) for i, ids in enumerate(prompts)]
         if not batch:
             return [out.token_id for out in self._outputs(requests[0]) if out.token_id is not None]
@@ -190,7 +190,7 @@ class FlashMemoryEngine:
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [len(token_ids), vocab] of one forward over the tokens (for evaluation and tests)."""
-        self._check_prompt(token_ids, max_new_tokens=0)
+        self.check_prompt(token_ids, max_new_tokens=0)
         size = len(token_ids) * self.model_config.vocab_size * 4
         if size > MAX_LOGITS_BYTES:
             raise ConfigError(f"prompt_logits of {len(token_ids)} tokens would hold {size / 2**30:.1f} GiB of logits "
@@ -199,7 +199,7 @@ class FlashMemoryEngine:
         seq_id = self.core.next_seq_id()
         self.cache.add_sequence(seq_id)
         try:
-            return self._forward(seq_id, token_ids, all_logits=True)
+            return self.forward_tokens(seq_id, token_ids, all_logits=True)
         finally:
             self.cache.free_sequence(seq_id)
 
@@ -209,26 +209,21 @@ class FlashMemoryEngine:
         tokens = self.last_token_ids if token_ids is None else list(token_ids)
         if not tokens:
             raise ConfigError("nothing to save: generate something first, or pass token_ids")
-        return self._session_cache().save_session(name, tokens)
+        return self.cache.save_session(name, tokens)
 
     def load_session(self, name: str) -> list[int]:
         """The token ids of a saved session: a prompt that starts with them reuses their KV."""
-        tokens = self._session_cache().load_session(name)
+        tokens = self.cache.load_session(name)
         if tokens is None:
             raise ConfigError(f"no session named {name!r}; saved: {', '.join(self.sessions()) or 'none'}")
         return tokens
 
     def delete_session(self, name: str) -> None:
-        self._session_cache().delete_session(name)
+        self.cache.delete_session(name)
 
     def sessions(self) -> list[str]:
-        sessions = getattr(self.cache, "sessions", None)
-        return sorted(sessions.sessions) if sessions is not None else []
-
-    def _session_cache(self) -> TieredKVCache:
-        if not isinstance(self.cache, TieredKVCache) or self.cache.sessions is None:
-            raise ConfigError("sessions need the tiered KV cache with prefix_caching=True")
-        return self.cache
+        """Names of the saved sessions, sorted (none where the KV cache keeps no sessions)."""
+        return sorted(self.cache.session_names())
 
     def reconfigure_kv(self, **knobs: Any) -> None:
         """Replace the KV cache with one built from the default KV settings plus `knobs` (weights stay loaded).
@@ -284,22 +279,13 @@ class FlashMemoryEngine:
 
     def close(self) -> None:
         """Release the KV levels (the cold-zone file included)."""
-        close = getattr(self.cache, "close", None)
-        if close is not None:
-            close()
+        self.cache.close()
 
-    # ---- generation -------------------------------------------------------------------------------------------
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-
-    def _check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        if not prompt_ids:
-            raise ConfigError("the prompt is empty: give at least one token of text")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ConfigError(f"token id(s) {bad[:5]} are outside the vocabulary [0, {vocab})")
+    def check_prompt(self, prompt_ids: list[int], max_new_tokens: int = 0) -> None:
+        """Raise what generate() would for this prompt: ConfigError for no tokens or an id
+        outside the vocabulary, PromptTooLongError when the prompt plus max_new_tokens does not
+        fit max_seq_len (with max_new_tokens=0, as when scoring, it may fill the context)."""
+        _check_token_ids(prompt_ids, self.model_config.vocab_size)
         n = len(prompt_ids)
         # Generation needs room for at least one new token; scoring (max_new_tokens=0) may fill the context.
         if n > self.max_seq_len or (n == self.max_seq_len and max_new_tokens > 0):
@@ -311,26 +297,35 @@ class FlashMemoryEngine:
                 num_prompt_tokens=n,
             )
 
-    def _forward(self, seq_id: int, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
-        """Run the tokens through the model in chunks of prefill_chunk_tokens; logits of the last (or all)."""
-        chunk = self.config.prefill_chunk_tokens
-        outputs = []
-        for start in range(0, len(token_ids), chunk):
-            piece = token_ids[start : start + chunk]
-            num_cached = self.cache.num_tokens(seq_id)
-            batch = ForwardBatch.build([(seq_id, num_cached, len(piece))], self.device)
-            input_ids = torch.tensor(piece, dtype=torch.long, device=self.device)
-            is_last = start + chunk >= len(token_ids)
-            if all_logits or is_last:
-                last = None if all_logits else torch.tensor([len(piece) - 1], device=self.device)
-                outputs.append(self.model(input_ids, self.cache, batch, logits_indices=last))
-            else:
-                self.model(input_ids, self.cache, batch, logits_indices=torch.empty(0, dtype=torch.long))
-            self.cache.commit(batch)
-        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    def forward_tokens(self, seq_id: int, token_ids: list[int],
+                       all_logits: bool = False) -> torch.Tensor:
+        """Extend sequence `seq_id` of `engine.cache` by `token_ids` (KV stored and committed),
+        through the model in chunks of prefill_chunk_tokens, no sampling; returns the logits
+        [1, vocab] of the last token, or [len(token_ids), vocab] with `all_logits`. The caller
+        adds the sequence first (`engine.cache.add_sequence(seq_id)`) and frees it after
+        (`engine.cache.free_sequence(seq_id)`)."""
+        if not self.cache.has_sequence(seq_id):
+            raise ConfigError(f"sequence {seq_id} is not in the KV cache: call "
+                              f"engine.cache.add_sequence({seq_id}) before forward_tokens, and "
+                              f"engine.cache.free_sequence({seq_id}) after")
+        _check_token_ids(token_ids, self.model_config.vocab_size)
+        total = self.cache.num_tokens(seq_id) + len(token_ids)
+        if total > self.max_seq_len:
+            raise PromptTooLongError(
+                f"sequence {seq_id} would hold {total} tokens; this model's maximum context "
+                f"length is {self.max_seq_len} tokens: forward fewer tokens or start a new "
+                "sequence",
+                max_model_len=self.max_seq_len, num_prompt_tokens=total)
+        return forward_chunks(self.model, self.cache, self.device, seq_id, token_ids,
+                              self.config.prefill_chunk_tokens, all_logits)
+
+    # ---- generation -------------------------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def _stream_ids(self, prompt_ids: list[int], opts: RequestOptions, started: float) -> Iterator[str]:
-        self._check_prompt(prompt_ids, opts.params.max_new_tokens)
+        self.check_prompt(prompt_ids, opts.params.max_new_tokens)
         # Validation above raises at call time; the generation runs as the caller iterates.
         request = _request(0, prompt_ids, opts, started)
         return (out.text for out in self._outputs(request) if out.text)
@@ -408,6 +403,14 @@ class FlashMemoryEngine:
             stats.finish_reason = out.finish_reason
             if out.kv_stats:
                 self.last_kv_stats = out.kv_stats
+
+
+def _check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    if not token_ids:
+        raise ConfigError("the prompt is empty: give at least one token of text")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ConfigError(f"token id(s) {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
 def _request(index: int, prompt_ids: list[int], opts: RequestOptions, started: float) -> SequenceRequest:

@@ -24,9 +24,10 @@ class Scorable(Protocol):
     device: torch.device
     core: Any
 
-    def _check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None: ...
+    def check_prompt(self, prompt_ids: list[int], max_new_tokens: int = 0) -> None: ...
 
-    def _forward(self, seq_id: int, token_ids: list[int], all_logits: bool = False) -> torch.Tensor: ...
+    def forward_tokens(self, seq_id: int, token_ids: list[int],
+                       all_logits: bool = False) -> torch.Tensor: ...
 
 
 @dataclass
@@ -56,7 +57,7 @@ def score_tokens(engine: Scorable, token_ids: list[int], num_teacher_forced: int
     restored from it instead of computed (checked against the model and the tokens); if not, this run's prefill
     KV is saved there (the exact cache only) before the decode steps.
     """
-    engine._check_prompt(token_ids, max_new_tokens=0)
+    engine.check_prompt(token_ids, max_new_tokens=0)
     n_prefill = len(token_ids) - num_teacher_forced
     if n_prefill < 1:
         raise ConfigError("num_teacher_forced must leave at least one token to prefill")
@@ -75,7 +76,7 @@ def score_tokens(engine: Scorable, token_ids: list[int], num_teacher_forced: int
         t_prefill = time.perf_counter()
         for start in range(restored, n_prefill, chunk):
             piece = token_ids[start : min(start + chunk, n_prefill)]
-            logits = engine._forward(seq_id, piece, all_logits=True)
+            logits = engine.forward_tokens(seq_id, piece, all_logits=True)
             lp = torch.log_softmax(logits, dim=-1)
             ends = torch.arange(start, start + len(piece), device=engine.device)
             valid = ends < len(token_ids) - 1
@@ -87,7 +88,7 @@ def score_tokens(engine: Scorable, token_ids: list[int], num_teacher_forced: int
             save_prefill(engine.cache, seq_id, token_ids[:n_prefill], kv_snapshot, fingerprint, notes)
         t0 = time.perf_counter()
         for pos in range(n_prefill, len(token_ids)):
-            lp = torch.log_softmax(engine._forward(seq_id, [token_ids[pos]])[-1], dim=-1)
+            lp = torch.log_softmax(engine.forward_tokens(seq_id, [token_ids[pos]])[-1], dim=-1)
             if pos < len(token_ids) - 1:
                 decode_dists.append(lp)
         decode_seconds = time.perf_counter() - t0

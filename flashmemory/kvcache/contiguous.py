@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from flashmemory.errors import KVSnapshotError
+from flashmemory.errors import KVSnapshotError, SessionsUnavailableError
 from flashmemory.kvcache.attention.dense import causal_attention
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
 from flashmemory.kvcache.manager.capacity import KVCapacity
 
+NO_SESSIONS = ("named sessions need the tiered KV cache with its prefix cache: set "
+               "kv_cache='tiered' (the default) and prefix_caching=True; kv_cache='contiguous' "
+               "keeps no sessions")
 GROWTH_TOKENS = 256  # capacity is rounded up to this, then doubled, so a long generation reallocates O(log n) times
 
 
@@ -116,3 +119,23 @@ class ContiguousKVCache(KVCache):
             "kv_bytes_used": tokens * per_token,
             "kv_bytes_allocated": sum(kv.numel() * element for kv in self._kv.values()),
         }
+
+    # ---- sessions and lifetime: the exact baseline keeps no KV beyond its live sequences ----
+
+    def save_session(self, name: str, token_ids: list[int]) -> int:
+        raise SessionsUnavailableError(NO_SESSIONS)
+
+    def load_session(self, name: str) -> list[int] | None:
+        raise SessionsUnavailableError(NO_SESSIONS)
+
+    def delete_session(self, name: str) -> None:
+        raise SessionsUnavailableError(NO_SESSIONS)
+
+    def session_names(self) -> list[str]:
+        return []
+
+    def flush_cache(self) -> int:
+        return 0  # nothing persists
+
+    def close(self) -> None:
+        pass  # no files or threads; the tensors go with the cache object

@@ -152,3 +152,33 @@ class KVCache(ABC):
     @abstractmethod
     def stats(self) -> dict[str, int | float]:
         """Counters for users and metrics (bytes, tokens, sequences)."""
+
+    # ---- sessions and lifetime: every cache answers; one without sessions with a typed error ----
+
+    @abstractmethod
+    def save_session(self, name: str, token_ids: list[int]) -> int:
+        """Keep the cached KV of `token_ids` under `name`, never evicted until deleted; returns
+        the tokens kept (whole blocks). A cache that keeps no sessions raises
+        SessionsUnavailableError naming the setting to change."""
+
+    @abstractmethod
+    def load_session(self, name: str) -> list[int] | None:
+        """The tokens saved under `name`, or None if no session has that name."""
+
+    @abstractmethod
+    def delete_session(self, name: str) -> None:
+        """Release the session `name` (its blocks become evictable); no-op if there is none."""
+
+    @abstractmethod
+    def session_names(self) -> list[str]:
+        """Names of the saved sessions (none in a cache that keeps no sessions)."""
+
+    @abstractmethod
+    def flush_cache(self) -> int:
+        """Write the cached blocks down to the persistent level and publish its index
+        (persist_cache); returns the blocks indexed, 0 where nothing persists."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release what the cache holds besides memory (files, threads), saving what persists
+        first; the cache is not used afterwards."""

@@ -33,7 +33,7 @@ from flashmemory.kvcache.prefix_index import (INDEX_NAME, INDEX_VERSION, Entry, 
                                               IndexRejected, read_index, valid_entries,
                                               valid_sessions, write_index)
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 TEMP_NAME = "kv-cache.index.tmp.npz"
 __all__ = ["INDEX_NAME", "INDEX_VERSION", "PrefixStore", "Recovered"]
@@ -125,16 +125,16 @@ class PrefixStore:
         found.sessions, bad_sessions = valid_sessions(arrays["sessions"], self.geometry.vocab_size)
         self.counters["persist_sessions_discarded"] += bad_sessions
         if bad_sessions:
-            log.warning("%d saved session(s) in %s have a malformed name or token ids and are "
-                        "discarded", bad_sessions, self.path.parent)
+            logger.warning("%d saved session(s) in %s have a malformed name or token ids and are "
+                           "discarded", bad_sessions, self.path.parent)
         if arrays["namespace"].tobytes() != self.namespace:
             # The blocks were computed under other settings; the sessions' token lists are what a
             # user saved, so they are kept and their KV is computed again when a prompt uses them.
             kept = (f"; the {len(found.sessions)} saved session(s) keep their tokens and are "
                     "recomputed when used") if found.sessions else ""
-            log.warning("discarding the %d cached blocks in %s: they belong to another model "
-                        "file, KV precision, quantization range, block size or digest boxes%s",
-                        len(arrays["slots"]), self.path.parent, kept)
+            logger.warning("discarding the %d cached blocks in %s: they belong to another model "
+                           "file, KV precision, quantization range, block size or digest boxes%s",
+                           len(arrays["slots"]), self.path.parent, kept)
             found.discarded_namespace = True
             self.counters["persist_records_discarded_namespace"] += len(arrays["slots"])
             return found, {}
@@ -167,8 +167,9 @@ class PrefixStore:
     def _discard(self, reason: str) -> None:
         """Count and log an index not believed; returns None (nothing recovered)."""
         self.counters["persist_index_discarded"] += 1
-        log.warning("discarding the prefix-cache index in %s (%s): the cache starts empty and is "
-                    "written again as prompts come", self.path.parent, reason)
+        logger.warning(
+            "discarding the prefix-cache index in %s (%s): the cache starts empty and is "
+            "written again as prompts come", self.path.parent, reason)
         return None
 
     def _adopt(self, entries: list[Entry], prefix_cache: PrefixCache, blocks: BlockManager,
@@ -212,6 +213,6 @@ class PrefixStore:
         detail = ", ".join(f"{n} {what}" for what, n in dropped.items() if n)
         suspicious = (c["persist_records_discarded_invalid"]
                       or c["persist_records_discarded_unauthenticated"])
-        log.log(logging.WARNING if suspicious else logging.INFO,
-                "prefix cache recovered from %s: %d blocks%s", self.path.parent, num_blocks,
-                f"; discarded, not served: {detail}" if detail else "")
+        logger.log(logging.WARNING if suspicious else logging.INFO,
+                   "prefix cache recovered from %s: %d blocks%s", self.path.parent, num_blocks,
+                   f"; discarded, not served: {detail}" if detail else "")

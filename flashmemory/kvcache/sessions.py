@@ -15,7 +15,7 @@ from flashmemory.kvcache.manager.prefix_cache import PrefixCache
 from flashmemory.kvcache.placement import Placement
 from flashmemory.kvcache.prefix_store import PrefixStore
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 class CacheSessions:
@@ -74,7 +74,8 @@ class CacheSessions:
                 try:
                     self.placement.write_cold_copy(entry)
                 except FlashMemoryError as e:
-                    log.warning("a cached block could not be written down (%s); it will be recomputed", e)
+                    logger.warning(
+                        "a cached block could not be written down (%s); it will be recomputed", e)
         return self.store.save(self.prefix_cache, disk, self._digests, self.sessions)
 
     def stats(self) -> dict[str, int]:
@@ -86,9 +87,10 @@ class CacheSessions:
             return
         try:
             indexed = self.flush()
-            log.info("prefix cache saved: %d blocks in %s", indexed, self.store.path.parent)
+            logger.info("prefix cache saved: %d blocks in %s", indexed, self.store.path.parent)
         except OSError as e:
-            log.error("the prefix cache could not be saved (%s): the next start recomputes it", e)
+            logger.error(
+                "the prefix cache could not be saved (%s): the next start recomputes it", e)
 
     def _recover(self) -> None:
         assert self.store is not None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from flashmemory.errors import CapacityError, ColdBlockError, blame_sequence
+from flashmemory.errors import ColdBlockError, SessionsUnavailableError, blame_sequence
 from flashmemory.kvcache.attention.backend import AttentionBackend, LevelRead
 from flashmemory.kvcache.attention.registry import select_backend
 from flashmemory.kvcache.config import KV_DTYPE, TieredCacheConfig, level_codecs
@@ -392,13 +392,17 @@ class TieredKVCache(KVCache):
     def delete_session(self, name: str) -> None:
         self._sessions().delete(name)
 
+    def session_names(self) -> list[str]:
+        return sorted(self.sessions.sessions) if self.sessions is not None else []
+
     def flush_cache(self) -> int:
         """persist_cache: write the cached blocks down and publish the index; see CacheSessions.flush."""
         return self.sessions.flush() if self.sessions is not None else 0
 
     def _sessions(self) -> CacheSessions:
         if self.sessions is None:
-            raise CapacityError("sessions need the prefix cache: set prefix_caching=True")
+            raise SessionsUnavailableError(
+                "named sessions need the prefix cache: set prefix_caching=True")
         return self.sessions
 
     def close(self) -> None:

@@ -13,16 +13,15 @@ from safetensors.torch import save_file
 
 from flashmemory.model.loader import Checkpoint
 from flashmemory.model.model_config import ModelConfig
+from flashmemory.model.registry import BY_HF_NAME
 from flashmemory.model.tokenizer import Tokenizer
-
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     """The config.json transformers needs to rebuild the same model."""
     out: dict[str, Any] = {
         "architectures": [cfg.architecture],
-        "model_type": _MODEL_TYPES[cfg.architecture],
+        "model_type": BY_HF_NAME[cfg.architecture].model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,

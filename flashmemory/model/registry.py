@@ -1,6 +1,7 @@
-"""The architectures our decoder runs: one line per architecture (its Hugging Face and GGUF names, whether q/k/v
-carry a bias, and which decoder family builds it). A Llama-family variant is one line here; a new decoder family
-is one module beside llama.py plus one entry in loader.DECODER_FAMILIES."""
+"""The architectures our decoder runs: one line per architecture (its Hugging Face class and
+model_type, its GGUF name, whether q/k/v carry a bias, and which decoder family builds it). A
+Llama-family variant is one line here; a new decoder family is one module beside llama.py plus one
+entry in loader.DECODER_FAMILIES."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Architecture:
     hf_name: str  # config.json `architectures[0]`
+    model_type: str  # config.json `model_type` (written back by model/export.py)
     gguf_name: str | None  # GGUF `general.architecture`; None where its files are written under another name
     qkv_bias: bool  # q/k/v projections carry a bias
     family: str = "llama"  # the decoder that builds it (loader.DECODER_FAMILIES)
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
-    Architecture("LlamaForCausalLM", "llama", qkv_bias=False),
-    Architecture("MistralForCausalLM", None, qkv_bias=False),  # Mistral GGUFs are written as "llama"
-    Architecture("Qwen2ForCausalLM", "qwen2", qkv_bias=True),
+    Architecture("LlamaForCausalLM", model_type="llama", gguf_name="llama", qkv_bias=False),
+    # Mistral GGUFs are written as "llama"
+    Architecture("MistralForCausalLM", model_type="mistral", gguf_name=None, qkv_bias=False),
+    Architecture("Qwen2ForCausalLM", model_type="qwen2", gguf_name="qwen2", qkv_bias=True),
 )
 
 BY_HF_NAME: dict[str, Architecture] = {a.hf_name: a for a in ARCHITECTURES}

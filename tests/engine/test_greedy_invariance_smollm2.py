@@ -21,7 +21,8 @@ def _decode_margins(engine, ids: list[int], tokens: list[int]) -> list[float]:
     seq = engine.core.next_seq_id()
     engine.cache.add_sequence(seq)
     try:
-        logits = [engine._forward(seq, ids)[-1]] + [engine._forward(seq, [t])[-1] for t in tokens[:-1]]
+        logits = [engine.forward_tokens(seq, ids)[-1]]
+        logits += [engine.forward_tokens(seq, [t])[-1] for t in tokens[:-1]]
     finally:
         engine.cache.free_sequence(seq)
     return [float(t[0] - t[1]) for t in (lg.topk(2).values for lg in logits)]

@@ -19,8 +19,8 @@ def _teacher_forced_logits(engine, ids: list[int], prefill: int) -> torch.Tensor
     seq = 12345
     engine.cache.add_sequence(seq)
     try:
-        steps = [engine._forward(seq, ids[:prefill], all_logits=True)]
-        steps += [engine._forward(seq, [t]) for t in ids[prefill:]]
+        steps = [engine.forward_tokens(seq, ids[:prefill], all_logits=True)]
+        steps += [engine.forward_tokens(seq, [t]) for t in ids[prefill:]]
     finally:
         engine.cache.free_sequence(seq)
     return torch.cat(steps)
@@ -75,10 +75,10 @@ def test_device_pool_never_exceeds_its_capacity_with_several_sequences(tiny_llam
     prompts = [list(range(3, 3 + n)) for n in (10, 41, 77)]
     for i, p in enumerate(prompts):
         cache.add_sequence(i)
-        engine._forward(i, p)
+        engine.forward_tokens(i, p)
     for step in range(60):
         for i in range(3):
-            engine._forward(i, [5 + step % 7])
+            engine.forward_tokens(i, [5 + step % 7])
             assert cache.device_bytes_used() <= capacity
             assert cache.blocks.allocators[Level.DEVICE].num_used <= cache.cfg.device_slots
     engine.clear_cache()
@@ -112,7 +112,7 @@ def test_pinned_span_stays_in_device_memory_and_late_pins_are_promoted(tiny_llam
     cache = engine.cache
     cache.add_sequence(1)
     cache.pin_span(1, 8, 24)  # blocks 1 and 2 (block_size 8); block 0 is the attention sink
-    engine._forward(1, list(range(3, 100)))
+    engine.forward_tokens(1, list(range(3, 100)))
     table = cache.blocks.tables[1]
     on_device = [i for i, b in enumerate(table.blocks) if Level.DEVICE in b.slots]
     window = TINY_LEVELS["active_window"] // TINY_LEVELS["block_size"]
@@ -156,7 +156,7 @@ def test_two_sequences_in_one_batch_match_running_them_alone(tiny_llama):
     cache = engine.cache
     cache.add_sequence(1)
     cache.add_sequence(2)
-    first_a = engine._forward(1, a[:50], all_logits=True)
+    first_a = engine.forward_tokens(1, a[:50], all_logits=True)
     # One batch: a decode step of sequence 1 and the whole prompt of sequence 2 (chunk larger than a block).
     batch = ForwardBatch.build([(1, 50, 1), (2, 0, 45)], engine.device)
     logits = engine.model(torch.tensor([a[50]] + b), cache, batch)

@@ -53,9 +53,9 @@ def test_incremental_decode_matches_full_forward(tmp_path):
     seq = 10_000
     engine.cache.add_sequence(seq)
     try:
-        steps = [engine._forward(seq, ids[:25], all_logits=True)]
+        steps = [engine.forward_tokens(seq, ids[:25], all_logits=True)]
         for t in ids[25:]:
-            steps.append(engine._forward(seq, [t]))
+            steps.append(engine.forward_tokens(seq, [t]))
     finally:
         engine.cache.free_sequence(seq)
     ours = torch.cat(steps)
@@ -75,7 +75,7 @@ def test_chunked_prefill_and_two_sequences_in_one_batch(tmp_path):
     cache.add_sequence(1)
     cache.add_sequence(2)
     try:
-        first = engine._forward(1, a[:20], all_logits=True)
+        first = engine.forward_tokens(1, a[:20], all_logits=True)
         batch = ForwardBatch.build([(1, 20, 30), (2, 0, 30)], engine.device)
         logits = engine.model(torch.tensor(a[20:] + b), cache, batch)
         cache.commit(batch)
@@ -102,7 +102,8 @@ def test_sliding_window_decode_matches_transformers(tmp_path):
     ids = torch.randint(3, engine.model_config.vocab_size, (40,), generator=torch.Generator().manual_seed(6)).tolist()
     engine.cache.add_sequence(7)
     try:
-        steps = [engine._forward(7, ids[:20], all_logits=True)] + [engine._forward(7, [t]) for t in ids[20:]]
+        steps = [engine.forward_tokens(7, ids[:20], all_logits=True)]
+        steps += [engine.forward_tokens(7, [t]) for t in ids[20:]]
     finally:
         engine.cache.free_sequence(7)
     assert (torch.cat(steps) - _hf_logits(hf, ids)).abs().max().item() <= TOL

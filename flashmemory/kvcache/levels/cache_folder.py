@@ -26,7 +26,7 @@ from pathlib import Path
 
 from flashmemory.errors import ConfigError
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 KEY_NAME = "kv-cache.key"
 KEY_BYTES = 32
@@ -126,10 +126,11 @@ class CacheFolder:
             return self.open(name, flags | os.O_CREAT)
         except LinkRefusedError as e:
             self.num_refused += 1
-            log.warning("%s is refused (%s): the cache never opens its files through a link, which "
-                        "could turn its writes onto files outside its folder; it is removed and a "
-                        "new, empty file made (to keep the cache elsewhere, set cold_zone_dir "
-                        "there)", self.path / name, e.strerror)
+            logger.warning(
+                "%s is refused (%s): the cache never opens its files through a link, which "
+                "could turn its writes onto files outside its folder; it is removed and a "
+                "new, empty file made (to keep the cache elsewhere, set cold_zone_dir "
+                "there)", self.path / name, e.strerror)
         try:
             self.remove(name)
             return self.open(name, flags | os.O_CREAT | os.O_EXCL)
@@ -185,8 +186,9 @@ class CacheFolder:
             return self._new_secret()
         except LinkRefusedError as e:
             self.num_refused += 1
-            log.warning("the cache key %s is refused (%s): a new one is made and the cache "
-                        "written under the old one is discarded", self.path / KEY_NAME, e.strerror)
+            logger.warning(
+                "the cache key %s is refused (%s): a new one is made and the cache "
+                "written under the old one is discarded", self.path / KEY_NAME, e.strerror)
             return self._new_secret()
         try:
             st = os.fstat(fd)
@@ -194,13 +196,14 @@ class CacheFolder:
         finally:
             os.close(fd)
         if len(key) != KEY_BYTES:
-            log.warning("the cache key in %s is malformed (%d bytes): a new one is made and the "
-                        "cache written under the old one is discarded", self.path, len(key))
+            logger.warning("the cache key in %s is malformed (%d bytes): a new one is made and the "
+                           "cache written under the old one is discarded", self.path, len(key))
             return self._new_secret()
         if hasattr(os, "geteuid") and stat.S_IMODE(st.st_mode) & 0o077:
-            log.warning("the cache key in %s was readable by other users (mode %o): a new one is "
-                        "made and the cache written under the old one is discarded", self.path,
-                        stat.S_IMODE(st.st_mode))
+            logger.warning(
+                "the cache key in %s was readable by other users (mode %o): a new one is "
+                "made and the cache written under the old one is discarded", self.path,
+                stat.S_IMODE(st.st_mode))
             return self._new_secret()
         return key
 

@@ -30,7 +30,7 @@ PERSISTENT_NAME = "kv-cache.cold"  # the file of a persistent cold zone (persist
 RETRY_INTERVAL_S = 5.0  # a deleted file that could not be replaced: the next try this much later
 COPY_CHUNK_BYTES = 1 << 20
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 class ColdFile:
@@ -156,8 +156,9 @@ class ColdFile:
         with self.lock:
             found = self.failed is None and not self.linked()
             if found:
-                log.warning("the cold-zone file %s was deleted while in use: its blocks move to a "
-                            "new file", self.path)
+                logger.warning(
+                    "the cold-zone file %s was deleted while in use: its blocks move to a "
+                    "new file", self.path)
             if found or (self.failed is not None and time.monotonic() >= self._retry_at):
                 self._replace(live_ranges())
         return found
@@ -184,8 +185,9 @@ class ColdFile:
         self.fd, self.path = fd, path
         self.failed = None
         self.num_recreated += 1
-        log.warning("the cold zone goes on in a new file, %s (%d records carried over)", self.path,
-                    len(ranges))
+        logger.warning(
+            "the cold zone goes on in a new file, %s (%d records carried over)", self.path,
+            len(ranges))
 
     def _fail(self, e: Exception) -> None:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else "its folder is refused"
@@ -195,7 +197,7 @@ class ColdFile:
                        "blocks are served from the deleted file meanwhile, whose space is freed "
                        f"only at exit{kept}; a new file is tried every {every}")
         self._retry_at = time.monotonic() + self.retry_interval_s
-        log.error("the cold-zone file %s cannot be re-created: %s", self.path, e)
+        logger.error("the cold-zone file %s cannot be re-created: %s", self.path, e)
 
     # ---- closing -----------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ try:
 except ImportError:  # Windows: an open file cannot be deleted, which protects live files the same way
     fcntl = None  # type: ignore[assignment]
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 FILE_GLOB = "kv-*.cold"
 TEMP_DIR_PREFIX = "flashmemory-cold-"
@@ -88,7 +88,8 @@ def remove_orphans(folder: Path) -> list[Path]:
             except OSError:
                 continue
     if removed:
-        log.info("removed %d cold-zone file(s) left behind by processes that died, in %s", len(removed), folder)
+        logger.info("removed %d cold-zone file(s) left behind by processes that died, in %s",
+                    len(removed), folder)
     return removed
 
 

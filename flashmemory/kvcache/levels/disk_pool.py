@@ -38,7 +38,7 @@ from flashmemory.kvcache.levels.protocol import Slots
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.quant import Codec, Parts
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 class BatchRead(Protocol):
@@ -184,7 +184,7 @@ class DiskPool:
             full = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
             with self._counter_lock:
                 self.write_failures["full" if full else "io"] += 1
-            log.warning("writing cold slot %d to %s failed: %s", slot, self.path, e)
+            logger.warning("writing cold slot %d to %s failed: %s", slot, self.path, e)
             if full:
                 raise ColdZoneFullError(f"the cold zone's disk is full ({e.strerror}); free disk "
                                         "space in cold_zone_dir, lower cold_zone_gb, or shorten "
@@ -212,7 +212,7 @@ class DiskPool:
         if count:
             with self._counter_lock:
                 self.load_failures[reason] += 1
-        log.debug("%s (%s)", message, self.path)
+        logger.debug("%s (%s)", message, self.path)
         return ColdBlockError(message, reason=reason)
 
     def read_segment(self, slot: int, layer: int, count_failures: bool = True) -> bytes:

@@ -18,7 +18,7 @@ from flashmemory.kvcache.prefetch.device_staging import DeviceStaging
 from flashmemory.kvcache.prefetch.heat_predictor import HeatPredictor
 from flashmemory.kvcache.prefetch.prefetcher import Prefetcher
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,8 +35,8 @@ def build_prefetch(cfg: TieredCacheConfig, levels: dict[Level, StorageLevel]) ->
     host = levels[Level.HOST]
     if cfg.device_staging_bytes > 0 and isinstance(host, TensorPool):
         if cfg.device.type == "cpu":
-            log.warning("device_staging_mb on a CPU host: L1 already is the compute's memory, staging only adds "
-                        "copies (and the decode kernel reads L1 in place)")
+            logger.warning("device_staging_mb on a CPU host: L1 already is the compute's memory, "
+                           "staging only adds copies (and the decode kernel reads L1 in place)")
         staging = DeviceStaging(host, cfg.device, cfg.device_staging_bytes)
     cold = levels.get(Level.DISK)
     prefetcher = None

@@ -113,12 +113,12 @@ class FlashMemoryStepper:
     def warm_up(self, ids: list[int]) -> None:
         seq_id = self.engine.core.next_seq_id()
         self.engine.cache.add_sequence(seq_id)
-        self.engine._forward(seq_id, ids)
-        self.engine._forward(seq_id, ids[:1])
+        self.engine.forward_tokens(seq_id, ids)
+        self.engine.forward_tokens(seq_id, ids[:1])
         self.engine.cache.free_sequence(seq_id, keep_cached=False)
 
     def feed(self, ids: list[int]) -> None:
-        self._logits = self.engine._forward(self.seq_id, ids)
+        self._logits = self.engine.forward_tokens(self.seq_id, ids)
 
     def restore(self, snapshot: Path, context_ids: list[int], num_tokens: int) -> None:
         """The snapshot's KV of the context but its last prefill chunk (num_tokens), through the cache's own write

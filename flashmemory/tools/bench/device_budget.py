@@ -3,7 +3,8 @@
 FlashMemoryEngine takes one device budget, `max_gpu_memory_mb`, for weights + activation workspace + KV; the
 benchmark speaks of the KV part alone (that is what the peers' caches are compared on). This module turns a KV
 budget into `max_gpu_memory_mb` and the largest `active_window` whose L0 blocks fit, using the engine's own
-start-up sizing (kvcache/budget.py), so the L0 arena the engine allocates is never larger than the KV budget.
+start-up sizing (engine/sizing.py), so the L0 arena the engine allocates is never larger than the
+KV budget.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class Measurement:
 
 def run_workload(engine, ids: list[int], decode_tokens: int) -> Measurement:
     """Prefill `ids` and decode `decode_tokens` greedy tokens (end-of-sequence ignored) with the timers on."""
-    engine._check_prompt(ids, decode_tokens)
+    engine.check_prompt(ids, decode_tokens)
     cache = engine.cache
     tiered = hasattr(cache, "blocks")
     sync = (lambda: torch.cuda.synchronize(engine.device)) if engine.device.type == "cuda" else (lambda: None)

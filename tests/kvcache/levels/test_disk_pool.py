@@ -144,7 +144,7 @@ def test_engine_reports_a_corrupt_cold_block_instead_of_serving_it(tiny_llama, t
     engine = FlashMemoryEngine(model_path=str(tiny_llama), block_size=8, active_window=16, warm_tokens=16,
                                cold_zone_dir=str(tmp_path), cold_zone_gb=0.01)
     engine.cache.add_sequence(1)
-    engine._forward(1, list(range(3, 90)))
+    engine.forward_tokens(1, list(range(3, 90)))
     pool = engine.cache.disk_pool
     assert pool.bytes_written > 0 and pool.io.portable == io_path
     with open(pool.path, "r+b") as f:  # flip a byte in every written record's payload
@@ -154,7 +154,7 @@ def test_engine_reports_a_corrupt_cold_block_instead_of_serving_it(tiny_llama, t
             f.seek(-1, 1)
             f.write(bytes([b[0] ^ 0xFF]))
     with pytest.raises(ColdBlockError):
-        engine._forward(1, [5])
+        engine.forward_tokens(1, [5])
     assert engine.stats()["L2_load_failures_checksum"] >= 1
     engine.cache.free_sequence(1)
     engine.close()

@@ -102,8 +102,8 @@ def test_tiered_decode_is_the_same_with_and_without_the_kernel(tiny_llama, monke
         engine.cache.use_attention_backend("native" if use_kernel else "torch")
         seq = 7
         engine.cache.add_sequence(seq)
-        engine._forward(seq, ids[:80])
-        logits[use_kernel] = torch.cat([engine._forward(seq, [t]) for t in ids[80:]])
+        engine.forward_tokens(seq, ids[:80])
+        logits[use_kernel] = torch.cat([engine.forward_tokens(seq, [t]) for t in ids[80:]])
         assert engine.stats()["bytes_moved_L1->L2"] > 0  # L0, L1 and L2 blocks were all read while decoding
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
 

@@ -40,8 +40,8 @@ def _decode_logits(tiny_llama, ids: list[int], **knobs) -> tuple[torch.Tensor, s
     engine = FlashMemoryEngine(model_path=str(tiny_llama), **{**LEVELS, **knobs})
     seq = 3
     engine.cache.add_sequence(seq)
-    engine._forward(seq, ids[:80])
-    logits = torch.cat([engine._forward(seq, [t]) for t in ids[80:]])
+    engine.forward_tokens(seq, ids[:80])
+    logits = torch.cat([engine.forward_tokens(seq, [t]) for t in ids[80:]])
     assert engine.stats()["bytes_moved_L1->L2"] > 0  # every level was read while decoding
     backend = engine.cache.attention.name
     engine.close()
@@ -60,8 +60,8 @@ def test_without_the_kernel_decode_runs_in_torch_and_is_exact_over_three_levels(
     assert backend == "torch"
     exact = FlashMemoryEngine(model_path=str(tiny_llama), kv_cache="contiguous", kv_precision="fp16")
     exact.cache.add_sequence(0)
-    exact._forward(0, ids[:80])
-    reference = torch.cat([exact._forward(0, [t]) for t in ids[80:]])
+    exact.forward_tokens(0, ids[:80])
+    reference = torch.cat([exact.forward_tokens(0, [t]) for t in ids[80:]])
     assert (tiered - reference).abs().max().item() <= 1e-4
 
 

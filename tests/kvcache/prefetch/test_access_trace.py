@@ -20,8 +20,8 @@ def _decode(engine, ids: list[int], prefill: int) -> torch.Tensor:
     seq = 7
     engine.cache.add_sequence(seq)
     try:
-        out = [engine._forward(seq, ids[:prefill])]
-        out += [engine._forward(seq, [t]) for t in ids[prefill:]]
+        out = [engine.forward_tokens(seq, ids[:prefill])]
+        out += [engine.forward_tokens(seq, [t]) for t in ids[prefill:]]
     finally:
         engine.cache.free_sequence(seq)
     return torch.cat(out)

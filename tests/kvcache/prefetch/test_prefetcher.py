@@ -186,7 +186,7 @@ def test_two_sequences_decoding_in_one_batch_prefetch_each_their_own_blocks(tiny
         cache = engine.cache
         for seq, ids in prompts.items():
             cache.add_sequence(seq)
-            engine._forward(seq, ids)
+            engine.forward_tokens(seq, ids)
         logits = []
         for step in range(12):
             batch = ForwardBatch.build([(seq, cache.num_tokens(seq), 1) for seq in prompts], engine.device)
