@@ -296,7 +296,7 @@ class DetokenizeRequest(_Request):
 
 def _validated_naming_elements(handler: Any, data: Any, name: str, fix: str,
                                forms_by_first: bool = False) -> Any:
-    """Run pydantic's validation; a bad element of list field `name` becomes a 400 naming its index."""
+    """Run pydantic's validation; a bad element of list field `name` is a 400 naming its index."""
     try:
         return handler(data)
     except ValidationError as e:

@@ -18,9 +18,9 @@ from tests.serve.test_server_errors import error_of
 
 MAX_BODY_BYTES = 8 * 2**20  # the default --max-body-bytes: the largest body a client can send
 FAST_S = 1.0  # generous: a bound on complexity, not a benchmark (0.01-0.6 s a case here)
-# On a loaded machine the bound grows with the time to move a plain body of the same size and to parse
-# as many bytes of numbers (about 0.15 s here when idle): a quadratic parse (13 s for 64 KB before the fix)
-# is still far beyond it, a busy CI runner is not.
+# On a loaded machine the bound grows with the time to move a plain body of the same size and
+# to parse as many bytes of numbers (about 0.15 s here when idle): a quadratic parse (13 s for
+# 64 KB before the fix) is still far beyond it, a busy CI runner is not.
 LOAD_FACTOR = 8
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -72,8 +72,8 @@ HOSTILE = {  # id: (route, body, param, a fragment of the message)
 
 
 def _plain_body_s(http: httpx.Client, size: int) -> float:
-    """This machine's pace now: the longer of sending a valid body of `size` bytes (a long string nobody
-    reads) through the server and parsing `size` bytes of floats with json.loads in this process."""
+    """This machine's pace now: the longer of sending a valid body of `size` bytes (a long string
+    nobody reads) through the server and parsing `size` bytes of floats with json.loads here."""
     head = b'{"tokens":[],"pad":"'
     raw = head + b"a" * (size - len(head) - 2) + b'"}'
     start = time.monotonic()

@@ -1,15 +1,18 @@
-"""MATS-2, level coherence: prefetch, device staging, rewrites, evictions and aborts racing over a faulty disk.
+"""MATS-2, level coherence: prefetch, device staging, rewrites, evictions and aborts racing over a
+faulty disk.
 
-Each round builds a TieredKVCache with query-aware selection, the Prefetcher's reader threads and DeviceStaging's
-copier thread, pools small enough that blocks are evicted under pressure and slots are rewritten soon after they
-are freed, and a cold-zone file whose I/O injects faults (faults.py): bit flips in what reads return, ENOSPC on
-block writes, slow reads, the file truncated or deleted under the cache (a deleted file must be re-created with
-its records intact). The random workload runs with a decode-heavy mix plus direct reads through the prefetcher
-and the staging area. Every byte the prefetch subsystem serves
-is checked against the shadow (read_watch.py); every injected fault must end in a ColdBlockError or
-ColdZoneFullError and never be served; no slot may leak, and once every sequence is freed nothing may stay staged.
+Each round builds a TieredKVCache with query-aware selection, the Prefetcher's reader threads and
+DeviceStaging's copier thread, pools small enough that blocks are evicted under pressure and slots
+are rewritten soon after they are freed, and a cold-zone file whose I/O injects faults (faults.py):
+bit flips in what reads return, ENOSPC on block writes, slow reads, the file truncated or deleted
+under the cache (a deleted file must be re-created with its records intact). The random workload
+runs with a decode-heavy mix plus direct reads through the prefetcher and the staging area. Every
+byte the prefetch subsystem serves is checked against the shadow (read_watch.py); every injected
+fault must end in a ColdBlockError or ColdZoneFullError (or a recovery checked against the shadow)
+and never be served; no slot may leak, and once every sequence is freed nothing may stay staged.
 However short the run, every round ends only once the prefetcher's reader threads have read ahead
-(prefetch_race.py), and the report fails a run in which they read nothing.
+(prefetch_race.py), and the report fails a run in which they read nothing. The engine case
+(reuse_faults.py) ends the run.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from flashmemory.tools.mats.temporal import ATTENTION_TOLERANCE, MAX_LIVE, MAX_T
 from flashmemory.tools.mats.workload import BASE_WEIGHTS, RandomWorkload
 
 GEOMETRY = Geometry()
-ENGINE_SHARE = 0.2  # of the duration, for the engine case through the prefix-reuse path (at least its trials)
+ENGINE_SHARE = 0.2  # of the duration: the engine case through the prefix-reuse path (at least its trials)
 ENGINE_MIN_TRIALS = 3  # one of each fault kind
 ROUND_S = (0.5, 15.0)  # a round's share of the time, at least and at most
 SLOW_READ_PROBABILITY = 0.2
