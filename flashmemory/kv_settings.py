@@ -10,6 +10,8 @@ from dataclasses import dataclass, fields
 from flashmemory.errors import ConfigError
 from flashmemory.settings import check_settings, setting
 
+MIB = 2**20
+
 
 @dataclass
 class KVSettings:
@@ -156,6 +158,27 @@ class KVSettings:
         if isinstance(bs, int) and self.active_window < bs:
             raise ConfigError(
                 f"active_window={self.active_window} must be at least block_size={bs}")
+
+    # The byte sizes the cache and the sizing work in, from the MiB settings (one fact, one field).
+    @property
+    def prefetch_budget_bytes(self) -> int:
+        """Host bytes of staged (prefetched) L2 segments."""
+        return int(self.prefetch_budget_mb * MIB)
+
+    @property
+    def device_staging_bytes(self) -> int:
+        """Device area for L1 blocks copied ahead of need (0 = off; prefetch/device_staging.py)."""
+        return int(self.device_staging_mb * MIB)
+
+    @property
+    def prefix_cache_host_bytes(self) -> int:
+        """L1 bytes unused cached blocks may keep (the rest go to L2 or leave)."""
+        return int(self.prefix_cache_host_mb * MIB)
+
+    @property
+    def prefix_cache_disk_bytes(self) -> int:
+        """L2 bytes they may keep (beyond it the least recently used leave)."""
+        return int(self.prefix_cache_disk_mb * MIB)
 
     @staticmethod
     def kv_field_names() -> list[str]:

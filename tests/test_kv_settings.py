@@ -14,8 +14,8 @@ import torch
 from flashmemory.config import EngineConfig, RunSettings
 from flashmemory.engine.sizing import plan_device, tiered_config
 from flashmemory.errors import ConfigError
-from flashmemory.kv_settings import KVSettings
-from flashmemory.kvcache.config import MIB, TieredCacheConfig
+from flashmemory.kv_settings import MIB, KVSettings
+from flashmemory.kvcache.config import TieredCacheConfig
 from flashmemory.serve.config import ServerConfig
 from flashmemory.settings import default_of
 from flashmemory.tools.mats import coherence, temporal

@@ -64,7 +64,7 @@ def plan_device(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights_bytes:
     window_slots = engine_cfg.active_window // block_size + 1  # + the attention-sink block
     attended = engine_cfg.active_window + engine_cfg.warm_budget_tokens + block_size
     workspace = workspace_bytes(model_cfg, engine_cfg.prefill_chunk_tokens, attended, elem)
-    device_staging = int(engine_cfg.device_staging_mb * MIB)
+    device_staging = engine_cfg.device_staging_bytes
     if engine_cfg.max_gpu_memory_mb is None:
         return DevicePlan(weights_bytes, workspace, filling, slot_bytes, engine_cfg.max_num_seqs * window_slots,
                           device_staging)

@@ -1,5 +1,5 @@
 """TieredCacheConfig: the KV settings (kv_settings.py) and what start-up derives from them: the
-hierarchy's shape (slot counts per level), byte sizes, the device, the model's fingerprint."""
+hierarchy's shape (slot counts per level), the device, the model's fingerprint."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ def level_codecs(kv_precision: str, block_size: int, head_dim: int, quant_range:
             for level, bits in zip(Level, PRECISIONS[kv_precision])}
 
 
-MIB = 2**20  # the MiB settings (prefetch_budget_mb, ...) are converted to bytes with it
 KV_DTYPE = torch.float16  # the unquantized KV storage type (the newest block, L1, the "fp16" precision)
 
 
@@ -57,27 +56,6 @@ class TieredCacheConfig(KVSettings):
         if 0 < box < self.block_size and self.block_size % box:
             raise ConfigError(f"selection_box_tokens={box} does not divide block_size={self.block_size}: choose a "
                               f"divisor of the block (e.g. {self.block_size // 2}) or 0 for one box per block")
-
-    # The byte sizes the cache works in, from the MiB settings (one fact, one field).
-    @property
-    def prefetch_budget_bytes(self) -> int:
-        """Host bytes of staged (prefetched) L2 segments."""
-        return int(self.prefetch_budget_mb * MIB)
-
-    @property
-    def device_staging_bytes(self) -> int:
-        """Device area for L1 blocks copied ahead of need (0 = off; prefetch/device_staging.py)."""
-        return int(self.device_staging_mb * MIB)
-
-    @property
-    def prefix_cache_host_bytes(self) -> int:
-        """L1 bytes unused cached blocks may keep (the rest go to L2 or leave)."""
-        return int(self.prefix_cache_host_mb * MIB)
-
-    @property
-    def prefix_cache_disk_bytes(self) -> int:
-        """L2 bytes they may keep (beyond it the least recently used leave)."""
-        return int(self.prefix_cache_disk_mb * MIB)
 
     @property
     def digest_boxes(self) -> int:

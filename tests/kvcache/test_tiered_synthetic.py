@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashmemory.errors import ConfigError
-from flashmemory.kvcache.config import MIB
+from flashmemory.kv_settings import MIB
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.tiered import TieredKVCache
 from tests.kvcache.synthetic import SyntheticSequence, tiny_config
