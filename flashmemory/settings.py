@@ -81,9 +81,11 @@ def field_type(cls: type, name: str) -> FieldType:
     return field_types(cls)[name]
 
 
-def check_settings(obj: Any) -> None:
-    """Raise ConfigError for the first field of `obj` outside its type, bounds or choices."""
-    cls = type(obj)
+def check_settings(obj: Any, cls: type | None = None) -> None:
+    """Raise ConfigError for the first field of `obj` outside its type, bounds or choices; `cls`
+    (default: obj's class) is the dataclass whose fields are checked (a base, where a subclass
+    adds fields that are not settings)."""
+    cls = cls or type(obj)
     kinds = field_types(cls)
     for name in field_names(cls):
         s, kind, value = setting_of(cls, name), kinds[name], getattr(obj, name)

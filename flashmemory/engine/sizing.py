@@ -64,7 +64,7 @@ def plan_device(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights_bytes:
     window_slots = engine_cfg.active_window // block_size + 1  # + the attention-sink block
     attended = engine_cfg.active_window + engine_cfg.warm_budget_tokens + block_size
     workspace = workspace_bytes(model_cfg, engine_cfg.prefill_chunk_tokens, attended, elem)
-    device_staging = int(engine_cfg.device_staging_mb * MIB)
+    device_staging = engine_cfg.device_staging_bytes
     if engine_cfg.max_gpu_memory_mb is None:
         return DevicePlan(weights_bytes, workspace, filling, slot_bytes, engine_cfg.max_num_seqs * window_slots,
                           device_staging)
@@ -99,43 +99,17 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
     codecs = level_codecs(engine_cfg.kv_precision, block_size, model_cfg.head_dim)
     host_slot = codecs[Level.HOST].nbytes(*geometry)
     disk_slot = codecs[Level.DISK].nbytes(*geometry)
+    # NOTE: every KV setting passes as the user set it; only block_size is resolved ("auto").
     return TieredCacheConfig(
+        **{**engine_cfg.kv_settings(), "block_size": block_size},
         num_layers=model_cfg.num_layers,
         num_kv_heads=model_cfg.num_kv_heads,
         head_dim=model_cfg.head_dim,
         device_slots=plan.device_slots,
         host_slots=max(1, int(host_budget_gb(engine_cfg).cpu_memory_gb * GIB) // host_slot),
         disk_slots=max(1, int(host_budget_gb(engine_cfg).cold_zone_gb * GIB) // disk_slot),
-        block_size=block_size,
-        active_window=engine_cfg.active_window,
-        warm_tokens=engine_cfg.warm_tokens,
-        semantic_truncate_threshold=float(engine_cfg.semantic_truncate_threshold),
-        warm_budget_tokens=engine_cfg.warm_budget_tokens,
-        warm_budget_fraction=float(engine_cfg.warm_budget_fraction),
-        selection_min_tokens=engine_cfg.selection_min_tokens,
-        selection_prompt_tokens=engine_cfg.selection_prompt_tokens,
-        selection=engine_cfg.selection,
-        selection_box_tokens=engine_cfg.selection_box_tokens,
-        kv_precision=engine_cfg.kv_precision,
-        kv_quant_range=engine_cfg.kv_quant_range,
-        max_num_seqs=engine_cfg.max_num_seqs,
-        recent_fp16_tokens=engine_cfg.recent_fp16_tokens,
-        cold_zone_enabled=engine_cfg.cold_zone_enabled,
-        cold_zone_dir=engine_cfg.cold_zone_dir,
         model_fingerprint=hashlib.sha256(fingerprint_source.encode()).digest()[:16],
         device=device,
-        record_traces=engine_cfg.record_traces,
-        prefetch_strategy=engine_cfg.prefetch_strategy,
-        prefetch_ranker=engine_cfg.prefetch_ranker,
-        prefetch_budget_bytes=int(engine_cfg.prefetch_budget_mb * MIB),
-        heat_predictor_path=engine_cfg.heat_predictor_path,
-        cold_zone_uncached_reads=engine_cfg.cold_zone_uncached_reads,
-        device_staging_bytes=plan.device_staging_bytes,
-        attention_backend=engine_cfg.attention_backend,
-        prefix_caching=engine_cfg.prefix_caching,
-        prefix_cache_host_bytes=int(engine_cfg.prefix_cache_host_mb * MIB),
-        prefix_cache_disk_bytes=int(engine_cfg.prefix_cache_disk_mb * MIB),
-        persist_cache=engine_cfg.persist_cache,
         vocab_size=model_cfg.vocab_size,
     )
 

@@ -1,4 +1,5 @@
-"""TieredCacheConfig: the shape of the KV hierarchy (slot counts per level, placement and selection policy)."""
+"""TieredCacheConfig: the KV settings (kv_settings.py) and what start-up derives from them: the
+hierarchy's shape (slot counts per level), the device, the model's fingerprint."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashmemory.errors import ConfigError
+from flashmemory.kv_settings import KVSettings
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.manager.policy import PlacementPolicy
 from flashmemory.kvcache.quant import Codec
@@ -26,9 +28,11 @@ def level_codecs(kv_precision: str, block_size: int, head_dim: int, quant_range:
 KV_DTYPE = torch.float16  # the unquantized KV storage type (the newest block, L1, the "fp16" precision)
 
 
-@dataclass
-class TieredCacheConfig:
-    """Shape of the hierarchy: sizes in slots (one slot = one block of every layer), policies in tokens."""
+# NOTE: kw_only: the derived fields have no defaults, and the settings before them do.
+@dataclass(kw_only=True)
+class TieredCacheConfig(KVSettings):
+    """The KV settings plus what start-up derives from them and the model: geometry, slot
+    counts (one slot = one block of every layer), device, fingerprint; no setting again."""
 
     num_layers: int
     num_kv_heads: int
@@ -36,41 +40,18 @@ class TieredCacheConfig:
     device_slots: int
     host_slots: int
     disk_slots: int
-    block_size: int = 16  # tokens per block
-    active_window: int = 2048  # newest tokens kept in L0
-    warm_tokens: int = 16384  # tokens after the window kept in L1 before moving to L2
-    semantic_truncate_threshold: float = 0.15  # fraction of L2 blocks a decode step attends
-    warm_budget_tokens: int = 2048  # tokens of L1 blocks a decode step attends (selected)
-    warm_budget_fraction: float = 1.0  # at most this fraction of L1's blocks (the engine's default: 0.25)
-    selection_min_tokens: int = 256  # floor under either level's budget (a fraction of a short history is tiny)
-    selection_prompt_tokens: int = 128  # per level, layer and KV head: blocks the prompt's end points to (hints)
-    selection: str = "quest"  # "quest" (query-aware) or "exact" (attend everything)
-    selection_box_tokens: int = 0  # keys per min/max box of a block's digest (0 or >= block_size: one box)
-    kv_precision: str = "mixed"  # "fp16" | "int4" | "mixed"
-    kv_quant_range: str = "mse"  # how INT4/INT2 groups pick their range: "mse" | "mse-values" | "minmax" (quant.py)
     num_sink_blocks: int = 1  # first blocks pinned to L0 (attention sinks)
-    max_num_seqs: int = 16  # sequences alive at once (each owns a row of its newest tokens in device memory)
-    recent_fp16_tokens: int = 0  # newest full-block tokens (<= active_window) attended FP16 from that row, not INT4
-    cold_zone_enabled: bool = True
-    cold_zone_dir: str | None = None
     model_fingerprint: bytes = b""
+    # NOTE: EngineConfig.device is the user's spelling ("auto", "cuda:1"); this, what it became.
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    record_traces: bool = False  # keep a TraceRecorder of every query-aware choice
-    prefetch_strategy: str = "none"  # "none" | "adaptive" | "aggressive" (see prefetch.py)
-    prefetch_ranker: str = "predictor"  # "predictor" | "lru"
-    prefetch_budget_bytes: int = 64 * 2**20  # host bytes of staged (prefetched) L2 segments
-    heat_predictor_path: str | None = None  # None = the weights shipped in the package
-    cold_zone_uncached_reads: bool = False  # posix_fadvise(DONTNEED) after each L2 read
-    device_staging_bytes: int = 0  # device area for L1 blocks copied ahead of need (0 = off; prefetch/device_staging.py)
-    prefix_caching: bool = True  # name full blocks by content and keep them for later sequences (prefix_cache.py)
-    prefix_cache_host_bytes: int = 256 * 2**20  # L1 bytes unused cached blocks may keep (the rest go to L2 or leave)
-    prefix_cache_disk_bytes: int = 1024 * 2**20  # L2 bytes they may keep (beyond it the least recently used leave)
-    persist_cache: bool = False  # keep the L2 file and the prefix index in cold_zone_dir across restarts
     vocab_size: int = 0  # the model's: token ids read back from a persistent index are below it
-    attention_backend: str = "auto"  # decode attention: "auto" (the native CPU kernel where it runs), "native", "torch"
     level_media: dict[Level, str] = field(default_factory=dict)  # a level's medium by name (levels/registry.py)
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the KV settings' bounds and rules, as EngineConfig checks them
+        if not isinstance(self.block_size, int):
+            raise ConfigError(f"block_size={self.block_size!r}: the cache needs a number of "
+                              "tokens; resolve 'auto' first (EngineConfig.resolve_block_size)")
         box = self.selection_box_tokens
         if 0 < box < self.block_size and self.block_size % box:
             raise ConfigError(f"selection_box_tokens={box} does not divide block_size={self.block_size}: choose a "

@@ -3,8 +3,6 @@ no checkpoint, and a dense float64 reference attention to compare with."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from flashmemory.kvcache.config import TieredCacheConfig
@@ -13,10 +11,18 @@ from flashmemory.kvcache.interface import ForwardBatch, KVCache
 LAYERS, HEADS, KV_HEADS, DIM = 2, 4, 2, 16  # the tiny test model's geometry (tests/helpers.py)
 
 
+# Every other KV setting is the product's default (KVSettings: FP16 recent rows, 4-key digest
+# boxes, the L1 fraction), so the cache under test is the one users run. These scale it down to
+# the tiny model: 8-token blocks, two blocks each of L0 and L1, so that a test of a few dozen
+# tokens reaches every level.
+TINY_SETTINGS = dict(block_size=8, active_window=16, warm_tokens=16)
+
+
 def tiny_config(**overrides) -> TieredCacheConfig:
-    base = TieredCacheConfig(LAYERS, KV_HEADS, DIM, device_slots=64, host_slots=64, disk_slots=64, block_size=8,
-                             active_window=16, warm_tokens=16, max_num_seqs=3)
-    return dataclasses.replace(base, **overrides)
+    """The tiny model's cache, 64 slots a level; `overrides` change settings or geometry."""
+    geometry = dict(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, device_slots=64,
+                    host_slots=64, disk_slots=64)
+    return TieredCacheConfig(**{**geometry, **TINY_SETTINGS, **overrides})
 
 
 QWEN_GEOMETRY = dict(layers=3, heads=14, kv_heads=2, dim=64)  # Qwen2.5-0.5B's heads (fewer layers, for speed)

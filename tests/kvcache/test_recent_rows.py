@@ -92,7 +92,9 @@ def test_recent_blocks_still_reach_every_level_and_the_prefix_cache(tmp_path):
     cache.free_sequence(0)
     cache.add_sequence(1)
     assert cache.reuse_prefix(1, batch_tokens) == 56  # prefilled blocks are reusable, row or not
-    assert cache.device_bytes_capacity() >= cache.rows.nbytes == 3 * 2 * 2 * 2 * (8 + 16 + 8) * 16 * 2
+    row_bytes = 2 * 2 * 2 * (8 + 16 + 8) * 16 * 2
+    rows = cache.cfg.max_num_seqs  # one row per sequence alive at once
+    assert cache.device_bytes_capacity() >= cache.rows.nbytes == rows * row_bytes
     cache.close()
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flashmemory.errors import ConfigError
+from flashmemory.kv_settings import MIB
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.tiered import TieredKVCache
 from tests.kvcache.synthetic import SyntheticSequence, tiny_config
@@ -167,7 +168,8 @@ def test_cached_blocks_give_way_to_live_ones_and_move_to_disk_first(tmp_path):
 
 def test_unused_cached_blocks_keep_host_memory_within_their_budget_and_wait_on_disk(tmp_path):
     slot = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path / "probe"))).host_pool.bytes_per_slot
-    cache = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path), prefix_cache_host_bytes=3 * slot))
+    cache = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path),
+                                      prefix_cache_host_mb=3 * slot / MIB))
     for i in range(4):
         cache.add_sequence(i)
         _forward_with_tokens(SyntheticSequence(i, 48, seed=i), cache, list(range(1000 * i, 1000 * i + 48)), 0, 48)
@@ -212,8 +214,8 @@ def test_unused_cached_blocks_keep_disk_within_their_budget_and_the_oldest_leave
     probe = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path / "probe")))
     host_slot, disk_slot = probe.host_pool.bytes_per_slot, probe.disk_pool.bytes_per_slot
     probe.close()
-    cache = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path), prefix_cache_host_bytes=0 * host_slot,
-                                      prefix_cache_disk_bytes=8 * disk_slot))
+    cache = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path), prefix_cache_host_mb=0,
+                                      prefix_cache_disk_mb=8 * disk_slot / MIB))
     for i in range(5):  # 6 full blocks each: 30 in all, 8 may stay
         cache.add_sequence(i)
         _forward_with_tokens(SyntheticSequence(i, 48, seed=i), cache, list(range(1000 * i, 1000 * i + 48)), 0, 48)

@@ -54,6 +54,7 @@ ENGINE_SHARE = 0.2  # of the duration: the engine case through the prefix-reuse 
 ENGINE_MIN_TRIALS = 3  # one of each fault kind
 ROUND_S = (0.5, 15.0)  # a round's share of the time, at least and at most
 SLOW_READ_PROBABILITY = 0.2
+STAGING_MB = 16 / 1024  # 16 KiB each for prefetched L2 blocks and L1 blocks staged on the device
 DRAIN_TIMEOUT_S = 2.0  # staging must be empty this soon after every sequence is freed
 # Decode-heavy (decode steps drive prefetch) with long-lived sequences (blocks reach L2), faults now and then.
 WEIGHTS = {**BASE_WEIGHTS, "prefill": 15, "decode": 40, "read": 10, "demote": 2, "promote": 3, "free": 1, "abort": 1,
@@ -80,15 +81,21 @@ class CoherenceConfig:
     def cache_config(self, cold_zone_dir: str, device: torch.device | None = None) -> TieredCacheConfig:
         """The cache of this shape on `device` (None: the engine's compute device, device.py)."""
         g = GEOMETRY
+        # Every other KV setting is the product's default (FP16 recent rows, 4-key digest
+        # boxes, the L1 fraction): MATS checks what users run. Set here on purpose: the shape
+        # under test, pools and windows small enough that blocks are evicted and rewritten
+        # often, read budgets sized to these short sequences, staging areas of a few blocks.
         return TieredCacheConfig(
-            g.num_layers, g.num_kv_heads, g.head_dim, device_slots=20, host_slots=40, disk_slots=160,
-            block_size=g.block_size, active_window=16, warm_tokens=48, semantic_truncate_threshold=0.2,
+            num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
+            device_slots=20, host_slots=40, disk_slots=160, block_size=g.block_size,
+            active_window=16, warm_tokens=48, semantic_truncate_threshold=0.2,
             # No floor under the L2 budget: with the engine's 256 tokens a step would read every cold block of
             # these short sequences, and the prefetcher, finding all of them read already, would read nothing.
             selection_min_tokens=0, warm_budget_tokens=16, selection="quest", kv_precision=self.kv_precision,
             max_num_seqs=MAX_LIVE,
             cold_zone_dir=cold_zone_dir, model_fingerprint=b"mats", prefetch_strategy=self.prefetch_strategy,
-            prefetch_ranker=self.prefetch_ranker, prefetch_budget_bytes=16 * 1024, device_staging_bytes=16 * 1024,
+            prefetch_ranker=self.prefetch_ranker, prefetch_budget_mb=STAGING_MB,
+            device_staging_mb=STAGING_MB,
             attention_backend=self.attention_backend, level_media=dict(self.level_media),
             device=device or compute_device())
 

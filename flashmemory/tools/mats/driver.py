@@ -242,11 +242,17 @@ class CacheDriver:
 
     def _stored_kv(self, seq: LiveSequence, k: torch.Tensor, v: torch.Tensor,
                    decoding: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The shadow's K/V with every full block replaced by what the copy the read path uses holds, decoded."""
+        """The shadow's K/V with each full block the read path reads from a level replaced by
+        what the copy it uses holds, decoded."""
         bs = self.geometry.block_size
+        blocks = self.cache.blocks.tables[seq.seq_id].blocks
+        # NOTE: the sink and the newest full blocks (recent_fp16_tokens) are attended from the
+        # sequence's FP16 row, not read from a level: there the forward sees the shadow's values.
+        row = self.cache.seqs[seq.seq_id]
+        first, end = row.num_sink // bs, len(blocks) - row.num_recent // bs
         by_level: dict[Level, list[int]] = {}
-        for index, block in enumerate(self.cache.blocks.tables[seq.seq_id].blocks):
-            by_level.setdefault(self._copy_read(block, decoding), []).append(index)
+        for index in range(first, end):
+            by_level.setdefault(self._copy_read(blocks[index], decoding), []).append(index)
         for level, indices in by_level.items():
             storage = self.cache.levels[level]
             table = self.cache.blocks.tables[seq.seq_id].blocks

@@ -57,12 +57,20 @@ class StressConfig:
     def cache_config(self, geometry: Geometry, cold_zone_dir: str,
                      device: torch.device | None = None) -> TieredCacheConfig:
         """The cache of this shape on `device` (None: the engine's compute device, device.py)."""
+        # Every other KV setting is the product's default (FP16 recent rows, 4-key digest
+        # boxes, the L1 fraction): MATS checks what users run. Set here on purpose: the shape
+        # under test, the geometry's block, the workload's live sequences, a scratch folder,
+        # and read budgets sized to its 256-token sequences (the engine's 1408 L1 tokens
+        # would read every warm block and select none).
         return TieredCacheConfig(
-            geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, device_slots=self.device_slots,
+            num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads,
+            head_dim=geometry.head_dim, device_slots=self.device_slots,
             host_slots=self.host_slots, disk_slots=self.disk_slots if self.cold_zone else 1,
-            block_size=geometry.block_size, active_window=self.active_window, warm_tokens=self.warm_tokens,
-            selection=self.selection, kv_precision=self.kv_precision, max_num_seqs=MAX_LIVE,
-            cold_zone_enabled=self.cold_zone, cold_zone_dir=cold_zone_dir, attention_backend=self.attention_backend,
+            block_size=geometry.block_size, active_window=self.active_window,
+            warm_tokens=self.warm_tokens, selection=self.selection,
+            kv_precision=self.kv_precision, max_num_seqs=MAX_LIVE,
+            cold_zone_enabled=self.cold_zone, cold_zone_dir=cold_zone_dir,
+            attention_backend=self.attention_backend,
             semantic_truncate_threshold=0.4, warm_budget_tokens=16, model_fingerprint=b"mats",
             level_media=dict(self.level_media), device=device or compute_device())
 

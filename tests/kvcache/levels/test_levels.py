@@ -16,8 +16,9 @@ MEDIUM_LEVEL = {"device_memory": Level.DEVICE, "host_memory": Level.HOST, "disk_
 
 @pytest.fixture(params=sorted(MEDIA))
 def level(request, tmp_path) -> StorageLevel:
-    cfg = TieredCacheConfig(LAYERS, HEADS, DIM, device_slots=SLOTS, host_slots=SLOTS, disk_slots=SLOTS,
-                            block_size=BS, cold_zone_dir=str(tmp_path), model_fingerprint=b"test")
+    cfg = TieredCacheConfig(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
+                            device_slots=SLOTS, host_slots=SLOTS, disk_slots=SLOTS, block_size=BS,
+                            cold_zone_dir=str(tmp_path), model_fingerprint=b"test")
     which = MEDIUM_LEVEL[request.param]
     codec = level_codecs("mixed", BS, DIM)[which]
     built = MEDIA[request.param](which, codec, SLOTS, cfg)
