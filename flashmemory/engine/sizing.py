@@ -122,6 +122,7 @@ def tiered_config(engine_cfg: EngineConfig, model_cfg: ModelConfig, plan: Device
         recent_fp16_tokens=engine_cfg.recent_fp16_tokens,
         cold_zone_enabled=engine_cfg.cold_zone_enabled,
         cold_zone_dir=engine_cfg.cold_zone_dir,
+        kv_levels=engine_cfg.kv_levels,
         model_fingerprint=hashlib.sha256(fingerprint_source.encode()).digest()[:16],
         device=device,
         record_traces=engine_cfg.record_traces,
