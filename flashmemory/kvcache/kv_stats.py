@@ -10,6 +10,7 @@ by its label (blocks.py level_label), in the order they have always come in.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from flashmemory.kvcache.manager.blocks import level_label
@@ -20,8 +21,19 @@ _OCCUPANCY = ("blocks", "blocks_total", "bytes", "bytes_capacity", "cached_block
 
 
 def _present(record: object) -> dict[str, Number]:
-    """A flat record's fields in declaration order, those that are None left out."""
-    return {k: v for k, v in dataclasses.asdict(record).items() if v is not None}
+    """A flat record's fields in declaration order, those that are None left out (not
+    dataclasses.asdict: it deep-copies, and a server takes a snapshot every step)."""
+    out = {}
+    for name in _field_names(type(record)):
+        value = getattr(record, name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 @dataclass
@@ -46,9 +58,11 @@ class MediumCounters:
 
     @classmethod
     def of(cls, counters: dict[str, int]) -> MediumCounters:
-        known = {f.name for f in dataclasses.fields(cls)} - {"other"}
-        return cls(**{k: v for k, v in counters.items() if k in known},
-                   other={k: v for k, v in counters.items() if k not in known})
+        known = _field_names(cls)
+        other = {k: v for k, v in counters.items() if k not in known}
+        if not other:
+            return cls(**counters)
+        return cls(**{k: v for k, v in counters.items() if k in known}, other=other)
 
     @property
     def load_failures(self) -> dict[str, int] | None:
@@ -238,23 +252,26 @@ class KVStats:
                                   "num_tokens": self.num_tokens}
         if self.contiguous is not None:
             out.update(_present(self.contiguous))
-        for lv in self.levels:
+        levels = [(lv.label, lv) for lv in self.levels]
+        for label, lv in levels:
             for name in _OCCUPANCY:
-                out[f"{lv.label}_{name}"] = getattr(lv, name)
+                out[f"{label}_{name}"] = getattr(lv, name)
         if self.selection is not None:
             out.update(_present(self.selection))
-            for lv in self.levels:
+            for label, lv in levels:
                 if lv.candidate_blocks is not None:
-                    out[f"{lv.label}_candidate_blocks"] = lv.candidate_blocks
-                    out[f"{lv.label}_selected_fraction"] = lv.selected_fraction
-        out.update({f"bytes_moved_{m.route}": m.bytes for m in self.moves})
-        for lv in self.levels:
-            out.update({f"{lv.label}_{key}": n for key, n in lv.medium.as_dict().items()})
+                    out[f"{label}_candidate_blocks"] = lv.candidate_blocks
+                    out[f"{label}_selected_fraction"] = lv.selected_fraction
+        for m in self.moves:
+            out[f"bytes_moved_{m.route}"] = m.bytes
+        for label, lv in levels:
+            for key, n in lv.medium.as_dict().items():
+                out[f"{label}_{key}"] = n
         if self.prefix is not None:
             out.update(self.prefix.as_dict())
-            for lv in self.levels:
-                out[f"{lv.label}_prefix_hit_blocks"] = lv.prefix_hit_blocks
-                out[f"{lv.label}_prefix_evicted_blocks"] = lv.prefix_evicted_blocks
+            for label, lv in levels:
+                out[f"{label}_prefix_hit_blocks"] = lv.prefix_hit_blocks
+                out[f"{label}_prefix_evicted_blocks"] = lv.prefix_evicted_blocks
         for part in (self.persist, self.prefetch, self.staging, self.budget):
             if part is not None:
                 out.update(_present(part))

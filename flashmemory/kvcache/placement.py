@@ -46,6 +46,7 @@ class Placement:
         self.levels = levels
         self.codecs = codecs
         self.specs = specs
+        self._targets: dict[frozenset[int], int] = {}  # wanted levels -> the one a block lives on
         routes = (route(HOT, MASTER), route(MASTER, MASTER + 1), route("new", HOT),
                   route("new", MASTER))
         self.bytes_moved: dict[tuple[str, str], int] = dict.fromkeys(routes, 0)
@@ -102,8 +103,10 @@ class Placement:
                 self._demote_from_device(seq_id, i)
             # The fastest level wanted below L0 is where the block lives (a shared block: as its
             # youngest user).
-            target = min((level for level in wanted if level != HOT), default=HOT)
-            while MASTER <= block.primary < target and target in self.levels:
+            target = self._targets.get(wanted)
+            if target is None:
+                target = self._targets[wanted] = min((lv for lv in wanted if lv != HOT), default=HOT)
+            while target > MASTER and target in self.levels and MASTER <= block.primary < target:
                 self._demote_to(seq_id, i, target)
 
     def restore(self, seq_id: int, num_blocks: int) -> None:

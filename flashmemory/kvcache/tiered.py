@@ -378,8 +378,11 @@ class TieredKVCache(KVCache):
         runs."""
         seqs = self.seqs.values()
         moved = self.placement.bytes_moved.items()
+        # As vLLM counts them: cached blocks nobody uses are free (evicted on demand), reported
+        # apart.
+        cached = self.prefix_cache.unused_copies() if self.prefix_cache is not None else {}
         stats = KVStats(len(self.seqs), sum(s.num_tokens for s in seqs),
-                        levels=[self._level_stats(level) for level in self.levels],
+                        levels=[self._level_stats(level, cached) for level in self.levels],
                         selection=self.reader.selection_stats(s.digest for s in seqs),
                         moves=[Move(source, dest, n) for (source, dest), n in moved])
         if self.prefix_cache is not None:
@@ -392,10 +395,8 @@ class TieredKVCache(KVCache):
             stats.staging = StagingStats(**self.device_staging.stats())
         return stats
 
-    def _level_stats(self, level: int) -> LevelStats:
-        # As vLLM counts them: cached blocks nobody uses are free (evicted on demand), reported
-        # apart.
-        cached = self.prefix_cache.unused_copies()[level] if self.prefix_cache is not None else 0
+    def _level_stats(self, level: int, unused_copies: dict[int, int]) -> LevelStats:
+        cached = unused_copies.get(level, 0)
         pool, allocator = self.levels[level], self.blocks.allocators[level]
         in_use = allocator.num_used - cached
         hot = level == Level.DEVICE  # its bytes count the newest tokens' rows and staging too

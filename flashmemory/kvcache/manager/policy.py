@@ -12,6 +12,7 @@ same rule.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
@@ -79,10 +80,11 @@ class PlacementPolicy:
         return (*ends, None)
 
     @cached_property
-    def _alone(self) -> tuple[frozenset[int], ...]:
-        """Per level, the set of that level only (made once: levels_for runs for every block at
-        every step)."""
-        return tuple(frozenset({as_level(i)}) for i in range(len(self.level_ends)))
+    def _below_window(self) -> tuple[tuple[float, frozenset[int]], ...]:
+        """From L1 on, each level's end (the last: infinite) and the set of that level only, made
+        once: levels_for runs for every block at every step."""
+        return tuple((math.inf if end is None else end, frozenset({as_level(level)}))
+                     for level, end in enumerate(self.level_ends) if level >= Level.HOST)
 
     @property
     def num_levels(self) -> int:
@@ -92,12 +94,10 @@ class PlacementPolicy:
         """The levels that hold a copy of a full block `age` blocks older than the newest one."""
         if pinned or age < self.window_blocks:
             return HOT
-        ends = self.level_ends
-        for level in range(Level.HOST, len(ends)):
-            end = ends[level]
-            if end is None or age < end:
-                return self._alone[level]
-        raise AssertionError("the last level keeps every block")  # level_ends ends with None
+        for end, alone in self._below_window:
+            if age < end:
+                return alone
+        raise AssertionError("the last level keeps every block")  # its end is infinite
 
     def keeps_master(self, index: int, num_blocks: int) -> bool:
         """Whether block `index` of a sequence of `num_blocks` full blocks keeps its L1 master copy
