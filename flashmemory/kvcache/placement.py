@@ -105,7 +105,8 @@ class Placement:
             # youngest user).
             target = self._targets.get(wanted)
             if target is None:
-                target = self._targets[wanted] = min((lv for lv in wanted if lv != HOT), default=HOT)
+                below_hot = (lv for lv in wanted if lv != HOT)
+                target = self._targets[wanted] = min(below_hot, default=HOT)
             while target > MASTER and target in self.levels and MASTER <= block.primary < target:
                 self._demote_to(seq_id, i, target)
 
