@@ -18,8 +18,7 @@ from flashmemory.kvcache.attention.backend import AttentionBackend, LevelRead
 from flashmemory.kvcache.attention.registry import select_backend
 from flashmemory.kvcache.config import KV_DTYPE, TieredCacheConfig, hierarchy_codecs
 from flashmemory.kvcache.interface import ForwardBatch, KVCache, SequenceSlice
-from flashmemory.kvcache.kv_stats import (KVStats, LevelStats, MediumCounters, Move, PersistStats,
-                                          PrefetchStats, StagingStats, prefix_stats)
+from flashmemory.kvcache.kv_stats import KVStats
 from flashmemory.kvcache.levels.protocol import StorageLevel
 from flashmemory.kvcache.levels.registry import build_levels
 from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
@@ -29,6 +28,7 @@ from flashmemory.kvcache.native import native_selection, use_native_reads
 from flashmemory.kvcache.placement import Placement
 from flashmemory.kvcache.prefix_store import PrefixStore
 from flashmemory.kvcache.sessions import CacheSessions
+from flashmemory.kvcache.tiered_stats import tiered_stats
 from flashmemory.kvcache.prefetch import build_prefetch
 from flashmemory.kvcache.prefetch.access_trace import TraceRecorder
 from flashmemory.kvcache.prefetch.device_staging import DeviceStaging
@@ -375,42 +375,8 @@ class TieredKVCache(KVCache):
 
     def kv_stats(self) -> KVStats:
         """One typed snapshot: every level in order, selection, moves and the parts the cache
-        runs."""
-        seqs = self.seqs.values()
-        moved = self.placement.bytes_moved.items()
-        # As vLLM counts them: cached blocks nobody uses are free (evicted on demand), reported
-        # apart.
-        cached = self.prefix_cache.unused_copies() if self.prefix_cache is not None else {}
-        stats = KVStats(len(self.seqs), sum(s.num_tokens for s in seqs),
-                        levels=[self._level_stats(level, cached) for level in self.levels],
-                        selection=self.reader.selection_stats(s.digest for s in seqs),
-                        moves=[Move(source, dest, n) for (source, dest), n in moved])
-        if self.prefix_cache is not None:
-            stats.prefix = prefix_stats(self.prefix_cache)
-        if self.sessions is not None and self.sessions.store is not None:
-            stats.persist = PersistStats(**self.sessions.stats())  # what recovery discarded
-        if self.prefetcher is not None:
-            stats.prefetch = PrefetchStats(**self.prefetcher.stats())
-        if self.device_staging is not None:
-            stats.staging = StagingStats(**self.device_staging.stats())
-        return stats
-
-    def _level_stats(self, level: int, unused_copies: dict[int, int]) -> LevelStats:
-        cached = unused_copies.get(level, 0)
-        pool, allocator = self.levels[level], self.blocks.allocators[level]
-        in_use = allocator.num_used - cached
-        hot = level == Level.DEVICE  # its bytes count the newest tokens' rows and staging too
-        out = LevelStats(level, self.hierarchy[level].name, in_use, allocator.num_slots,
-                         self.device_bytes_used() if hot else in_use * pool.bytes_per_slot,
-                         self.device_bytes_capacity() if hot else pool.capacity_bytes,
-                         cached, cached * pool.bytes_per_slot, MediumCounters.of(pool.counters()))
-        chosen = self.reader.level_selection(level)
-        if chosen is not None:
-            out.candidate_blocks, out.selected_fraction = chosen
-        if self.prefix_cache is not None:
-            out.prefix_hit_blocks = self.prefix_cache.hit_blocks[level]
-            out.prefix_evicted_blocks = self.prefix_cache.evicted_blocks[level]
-        return out
+        runs (kvcache/tiered_stats.py)."""
+        return tiered_stats(self)
 
     # ---- sessions and persistence (kvcache/sessions.py) -------------------------------------------------------
 
