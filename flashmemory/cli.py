@@ -16,6 +16,7 @@ from flashmemory.tools.diagnose.command import add_diagnose_command
 from flashmemory.tools.doctor.command import add_doctor_command
 from flashmemory.tools.needles.command import add_needle_flags, run_needles
 from flashmemory.errors import FlashMemoryError
+from flashmemory.kvcache.kv_stats import KVStats
 from flashmemory.serve.args import add_serve_args
 
 EXIT_ERROR = 1
@@ -96,7 +97,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         print(engine.last_stats.summary(), file=sys.stderr)
         if args.stats:
-            print(format_kv_stats(engine.last_kv_stats), file=sys.stderr)
+            print(format_kv_stats(engine.last_kv_snapshot), file=sys.stderr)
     finally:
         if bar is not None:
             bar.close()
@@ -125,38 +126,41 @@ class _prefill_bar:  # noqa: N801 - used like a function: _prefill_bar(engine) -
             self.bar.close()
 
 
-def format_kv_stats(stats: dict) -> str:
+def format_kv_stats(stats: KVStats | None) -> str:
     """One line per level: blocks and bytes used of capacity; then traffic and selection."""
+    if stats is None:
+        return ""
     lines = []
-    for level, name in ((0, "L0 device"), (1, "L1 host"), (2, "L2 disk")):
-        key = f"L{level}_bytes"
-        if key in stats:
-            lines.append(f"{name:10s} {stats.get(f'L{level}_blocks', 0):6d} blocks  {stats[key] / 2**20:9.2f} MiB "
-                         f"of {stats[f'L{level}_bytes_capacity'] / 2**20:.1f} MiB")
-    moved = ", ".join(f"{k.removeprefix('bytes_moved_')} {v / 2**20:.1f} MiB" for k, v in stats.items()
-                      if k.startswith("bytes_moved_"))
+    for lv in stats.levels:
+        name = f"{lv.label} {lv.name}"
+        lines.append(f"{name:10s} {lv.blocks:6d} blocks  {lv.bytes / 2**20:9.2f} MiB "
+                     f"of {lv.bytes_capacity / 2**20:.1f} MiB")
+    moved = ", ".join(f"{m.route} {m.bytes / 2**20:.1f} MiB" for m in stats.moves)
     if moved:
         lines.append(f"moved      {moved}")
-    sel = [f"{k.split('_')[0]} {v:.1%}" for k, v in stats.items()
-           if k.endswith("_selected_fraction") and stats.get(k.replace("selected_fraction", "candidate_blocks"))]
+    sel = [f"{lv.label} {lv.selected_fraction:.1%}" for lv in stats.levels
+           if lv.selected_fraction is not None and lv.candidate_blocks]
     if sel:
         lines.append(f"selected   {', '.join(sel)} of candidate blocks per decode step")
-    elif any(k.endswith("_selected_fraction") for k in stats):
+    elif any(lv.selected_fraction is not None for lv in stats.levels):
         lines.append("selected   nothing to select: all KV was still in L0")
-    if "prefetch_hits" in stats:
-        lookups = stats["prefetch_hits"] + stats["prefetch_misses"]
-        lines.append(f"prefetch   L2 hit rate {stats['prefetch_hit_rate']:.1%} of {lookups} segment reads, "
-                     f"{stats['prefetch_issued']} read ahead, {stats['prefetch_wasted_bytes'] / 2**20:.2f} MiB "
-                     f"wasted; ranker {stats['predictor_ms']:.2f} ms, all step-end work "
-                     f"{stats['prefetch_ranking_ms']:.2f} ms per decode step")
-    if "device_staging_hits" in stats:
-        reads = stats["device_staging_hits"] + stats["device_staging_misses"]
-        rate = stats["device_staging_hits"] / reads if reads else 0.0
+    p = stats.prefetch
+    if p is not None:
+        lookups = p.prefetch_hits + p.prefetch_misses
+        wasted = p.prefetch_wasted_bytes / 2**20
+        lines.append(f"prefetch   L2 hit rate {p.prefetch_hit_rate:.1%} of {lookups} segment "
+                     f"reads, {p.prefetch_issued} read ahead, {wasted:.2f} MiB "
+                     f"wasted; ranker {p.predictor_ms:.2f} ms, all step-end work "
+                     f"{p.prefetch_ranking_ms:.2f} ms per decode step")
+    st = stats.staging
+    if st is not None:
+        reads = st.device_staging_hits + st.device_staging_misses
+        rate = st.device_staging_hits / reads if reads else 0.0
         lines.append(f"staging    L1 on device: hit rate {rate:.1%} of {reads} block reads, "
-                     f"{stats['device_staging_bytes'] / 2**20:.2f} MiB of "
-                     f"{stats['device_staging_capacity_bytes'] / 2**20:.1f} MiB")
-    if "kv_bytes_used" in stats:
-        lines.append(f"KV (contiguous) {stats['kv_bytes_used'] / 2**20:.2f} MiB")
+                     f"{st.device_staging_bytes / 2**20:.2f} MiB of "
+                     f"{st.device_staging_capacity_bytes / 2**20:.1f} MiB")
+    if stats.contiguous is not None:
+        lines.append(f"KV (contiguous) {stats.contiguous.kv_bytes_used / 2**20:.2f} MiB")
     return "\n".join(lines)
 
 

@@ -74,6 +74,12 @@ class KVSettings:
         None, "L2 file capacity (sparse: disk is used only as blocks are written); None = 16 "
         "GiB, or half the free disk of cold_zone_dir when that is less (a value you set above "
         "the free disk is refused at start-up)", unit="GiB", gt=0)
+    kv_levels: str = setting(
+        "", "the KV levels in order, comma-separated storage media (kvcache/levels/registry.py): "
+        "empty = device_memory,host_memory,disk_file (L2 only with the cold zone), sized by "
+        "max_gpu_memory_mb, cpu_memory_gb and cold_zone_gb; each level after those is "
+        "MEDIUM:MIB:PRECISION:AFTER_TOKENS (PRECISION fp16, int4 or int2): blocks move to it "
+        "AFTER_TOKENS after they reached the level before")
     # NOTE: "auto" is resolved (EngineConfig.resolve_block_size) before the cache's config gets it.
     block_size: int | str = setting(
         16, "tokens per KV block; auto grows with max_seq_len (16 up to 8K, 32 up to 32K, else "

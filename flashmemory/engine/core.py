@@ -297,7 +297,9 @@ class EngineCore:
             if not live.stopper.stopped:
                 output.text += live.stopper.feed(live.detok.flush()) + live.stopper.flush()
             if live.request.capture_kv_stats:
-                output.kv_stats = dict(self.cache.stats())  # as the sequence ends, before its blocks are freed
+                # as the sequence ends, before its blocks are freed
+                output.kv_snapshot = self.cache.kv_stats()
+                output.kv_stats = output.kv_snapshot.as_dict()
             # Free before telling the client, so a finished response never leaves blocks behind.
             self.scheduler.finish(seq)
             self.cache.free_sequence(seq.seq_id)

@@ -24,6 +24,7 @@ from flashmemory.engine.stats import GenerationStats, peak_memory
 from flashmemory.errors import ConfigError, EngineBusyError, FlashMemoryError, PromptTooLongError
 from flashmemory.engine.sizing import DevicePlan
 from flashmemory.kvcache.interface import KVCache
+from flashmemory.kvcache.kv_stats import KVStats
 from flashmemory.model.loader import build_model, open_checkpoint, weights_bytes
 from flashmemory.model.tokenizer import Tokenizer
 
@@ -69,6 +70,7 @@ class FlashMemoryEngine:
         self.cache: KVCache = self._build_cache()
         self.last_stats = GenerationStats()
         self.last_kv_stats: dict[str, int | float] = {}
+        self.last_kv_snapshot: KVStats | None = None  # last_kv_stats, typed
         self.last_token_ids: list[int] = []  # prompt + generated tokens of the last finished generation
         self._core: EngineCore | None = None
         self.budget_controller: BudgetController | None = build_budget_controller(
@@ -403,6 +405,7 @@ class FlashMemoryEngine:
             stats.finish_reason = out.finish_reason
             if out.kv_stats:
                 self.last_kv_stats = out.kv_stats
+                self.last_kv_snapshot = out.kv_snapshot
 
 
 def _check_token_ids(token_ids: list[int], vocab_size: int) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flashmemory.engine.sampling import SamplingParams
+from flashmemory.kvcache.kv_stats import KVStats
 
 
 @dataclass
@@ -35,6 +36,7 @@ class SequenceOutput:
     first_forward_s: float | None = None  # on the first output: perf_counter() when its first forward began
     produced_s: float = 0.0  # perf_counter() when the token was sampled
     kv_stats: dict[str, int | float] = field(default_factory=dict)  # on the last output, when asked for
+    kv_snapshot: KVStats | None = None  # the same snapshot, typed (kvcache/kv_stats.py)
 
 
 Sink = Callable[[SequenceOutput], None]

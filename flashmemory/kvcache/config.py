@@ -3,6 +3,7 @@ hierarchy's shape (slot counts per level), the device, the model's fingerprint."
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 
@@ -11,18 +12,32 @@ import torch
 from flashmemory.errors import ConfigError
 from flashmemory.kv_settings import KVSettings
 from flashmemory.kvcache.manager.blocks import Level
+from flashmemory.kvcache.manager.hierarchy import (BITS_OF, LevelSpec, as_level, built_in_spec,
+                                                   extra_spec, parse_kv_levels)
 from flashmemory.kvcache.manager.policy import PlacementPolicy
 from flashmemory.kvcache.quant import Codec
 
 PRECISIONS = {"fp16": (16, 16, 16), "int4": (4, 16, 4), "mixed": (4, 16, 2)}  # bits on L0, L1, L2
 VALUE_GROUP_CHANNELS = 32  # channels sharing one per-token scale/zero of the values (capped by head_dim)
+MIB = 2**20
 
 
 def level_codecs(kv_precision: str, block_size: int, head_dim: int, quant_range: str = "mse") -> dict[Level, Codec]:
-    """The codec of every level for a precision: keys grouped per block, values per 32 channels."""
-    value_group = min(VALUE_GROUP_CHANNELS, head_dim)
-    return {level: Codec(bits, block_size, value_group, quant_range)
+    """The codec of every built-in level for a precision: keys grouped per block, values per 32
+    channels."""
+    return {level: _codec(bits, block_size, head_dim, quant_range)
             for level, bits in zip(Level, PRECISIONS[kv_precision])}
+
+
+def hierarchy_codecs(levels: tuple[LevelSpec, ...], block_size: int, head_dim: int,
+                     quant_range: str = "mse") -> dict[int, Codec]:
+    """The codec of every level of a hierarchy, by level."""
+    return {as_level(i): _codec(spec.bits, block_size, head_dim, quant_range)
+            for i, spec in enumerate(levels)}
+
+
+def _codec(bits: int, block_size: int, head_dim: int, quant_range: str) -> Codec:
+    return Codec(bits, block_size, min(VALUE_GROUP_CHANNELS, head_dim), quant_range)
 
 
 KV_DTYPE = torch.float16  # the unquantized KV storage type (the newest block, L1, the "fp16" precision)
@@ -45,7 +60,7 @@ class TieredCacheConfig(KVSettings):
     # NOTE: EngineConfig.device is the user's spelling ("auto", "cuda:1"); this, what it became.
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     vocab_size: int = 0  # the model's: token ids read back from a persistent index are below it
-    level_media: dict[Level, str] = field(default_factory=dict)  # a level's medium by name (levels/registry.py)
+    level_media: dict[int, str] = field(default_factory=dict)  # a level's medium, over kv_levels
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the KV settings' bounds and rules, as EngineConfig checks them
@@ -75,6 +90,36 @@ class TieredCacheConfig(KVSettings):
                     f"{self.num_layers}x{self.num_kv_heads}x{self.head_dim}")
         return hashlib.sha256(b"flashmemory-kv-v1|" + self.model_fingerprint + settings.encode()).digest()
 
+    def hierarchy(self) -> tuple[LevelSpec, ...]:
+        """The levels in order: L0, L1 and (with the cold zone) L2 from their settings, then the
+        levels kv_levels adds, each sized from its MiB; ConfigError for a malformed kv_levels."""
+        built_in = 3 if self.cold_zone_enabled else 2
+        listed = parse_kv_levels(self.kv_levels, built_in)
+        afters = [extra.after_tokens for extra in listed.extra]
+        num_levels = built_in + len(listed.extra)
+
+        def keep(i: int) -> int | None:  # tokens a block stays on level i (the last: for good)
+            if i == 0:
+                return self.active_window
+            if i == num_levels - 1:
+                return None
+            return self.warm_tokens if i == 1 else afters[i + 1 - built_in]
+
+        slots = (self.device_slots, self.host_slots, self.disk_slots)
+        bits = PRECISIONS[self.kv_precision]
+        specs = [built_in_spec(i, listed.media[i] if listed.media else None, bits[i], slots[i],
+                               keep(i)) for i in range(built_in)]
+        geometry = ((self.num_layers, self.num_kv_heads), self.block_size, self.head_dim)
+        for j, extra in enumerate(listed.extra):
+            codec = _codec(BITS_OF[extra.precision], self.block_size, self.head_dim,
+                           self.kv_quant_range)
+            num_slots = max(1, int(extra.capacity_mb * MIB) // codec.nbytes(*geometry))
+            specs.append(extra_spec(built_in + j, extra, num_slots, keep(built_in + j)))
+        return tuple(dataclasses.replace(spec, medium=self.level_media.get(i, spec.medium))
+                     for i, spec in enumerate(specs))
+
     def placement_policy(self) -> PlacementPolicy:
+        levels = self.hierarchy()
+        keeps = tuple(spec.keep_tokens or 0 for spec in levels[2:-1])
         return PlacementPolicy(self.block_size, self.active_window, self.warm_tokens, self.num_sink_blocks,
-                               self.cold_zone_enabled)
+                               len(levels) > 2, keeps)

@@ -7,6 +7,7 @@ import torch
 from flashmemory.errors import KVSnapshotError, SessionsUnavailableError
 from flashmemory.kvcache.attention.dense import causal_attention
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
+from flashmemory.kvcache.kv_stats import ContiguousStats, KVStats
 from flashmemory.kvcache.manager.capacity import KVCapacity
 
 NO_SESSIONS = ("named sessions need the tiered KV cache with its prefix cache: set "
@@ -109,16 +110,13 @@ class ContiguousKVCache(KVCache):
         for s in batch.slices:
             self._lengths[s.seq_id] = s.num_cached_tokens + s.num_new_tokens
 
-    def stats(self) -> dict[str, int | float]:
+    def kv_stats(self) -> KVStats:
         element = torch.empty((), dtype=self.dtype).element_size()
         per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
         tokens = sum(self._lengths.values())
-        return {
-            "num_sequences": len(self._kv),
-            "num_tokens": tokens,
-            "kv_bytes_used": tokens * per_token,
-            "kv_bytes_allocated": sum(kv.numel() * element for kv in self._kv.values()),
-        }
+        allocated = sum(kv.numel() * element for kv in self._kv.values())
+        contiguous = ContiguousStats(tokens * per_token, allocated)
+        return KVStats(len(self._kv), tokens, contiguous=contiguous)
 
     # ---- sessions and lifetime: the exact baseline keeps no KV beyond its live sequences ----
 

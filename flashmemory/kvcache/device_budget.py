@@ -16,6 +16,7 @@ DeviceArena keeps its full size; only the limit moves.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from flashmemory.kvcache.attention.backend import AttentionBackend, LevelRead
@@ -45,10 +46,10 @@ class ReadCounter:
     most reads through the row, not through its INT4 copies.
     """
 
-    def __init__(self, inner: AttentionBackend) -> None:
+    def __init__(self, inner: AttentionBackend, levels: Iterable[int] = tuple(Level)) -> None:
         self.inner = inner
         self.name = inner.name
-        self.reads = {level: 0 for level in Level}
+        self.reads = {level: 0 for level in levels}  # per level of the cache
         self.row_reads = 0  # of reads[Level.DEVICE]: blocks attended from the FP16 rows
 
     def decode(self, layer, q, filling, new_k, new_v, reads: list[LevelRead], reader):
@@ -70,7 +71,7 @@ class ReadCounter:
 def read_counter(cache) -> ReadCounter:
     """The cache's ReadCounter, put in front of its attention backend if it has none (or the backend changed)."""
     if not isinstance(cache.attention, ReadCounter):
-        cache.attention = ReadCounter(cache.attention)
+        cache.attention = ReadCounter(cache.attention, cache.levels)
     return cache.attention
 
 
@@ -192,8 +193,7 @@ class DeviceBudget:
         block = self.cache.blocks.tables[seq_id].blocks[index]
         assert len(block.slots) > 1, "an L0 copy is never a block's only copy"
         self.device.free(self.cache.blocks.detach(seq_id, index, Level.DEVICE))
-        moved = self.cache.placement.bytes_moved
-        moved["L0->L1"] = moved.get("L0->L1", 0) + self.slot_bytes
+        self.cache.placement.count_dropped_hot_copy()
 
     def _oldest_below_limit(self) -> tuple[int, int, int] | None:
         """(age, seq_id, index) of the oldest unpinned L0 copy on a slot below the limit, as pressure picks."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from flashmemory.errors import KVSnapshotError
+from flashmemory.kvcache.kv_stats import KVStats
 from flashmemory.kvcache.manager.capacity import KVCapacity
 
 
@@ -150,8 +151,12 @@ class KVCache(ABC):
             self.free_sequence(seq_id)
 
     @abstractmethod
+    def kv_stats(self) -> KVStats:
+        """Counters for metrics and tools, typed (bytes, tokens, sequences, every level)."""
+
     def stats(self) -> dict[str, int | float]:
-        """Counters for users and metrics (bytes, tokens, sequences)."""
+        """Counters for users (engine.stats(), JSON files): kv_stats() in its flat, public form."""
+        return self.kv_stats().as_dict()
 
     # ---- sessions and lifetime: every cache answers; one without sessions with a typed error ----
 

@@ -1,8 +1,9 @@
-"""PrefixStore: the prefix cache across restarts (persist_cache). Next to the persistent L2 file,
-an index names what each slot holds (block name, tokens, key digest, the record's MAC) plus the
-saved sessions. It is written atomically (a new owner-only temporary file, fsync, rename) after
-the L2 file is synced, at a clean shutdown and when a session is saved, and authenticated with
-the cache's key (prefix_index.py has the format).
+"""PrefixStore: the prefix cache across restarts (persist_cache). Next to the persistent level's
+data (the L2 file: its medium's PersistentMedium, levels/protocol.py), an index names what each
+slot holds (block name, tokens, key digest, the record's MAC) plus the saved sessions. It is
+written atomically (a new owner-only temporary file, fsync, rename) after the L2 file is synced, at
+a clean shutdown and when a session is saved, and authenticated with the cache's key
+(prefix_index.py has the format).
 
 At start-up the index is read back as untrusted input. One that cannot be believed as a whole
 (unreadable, another format, a MAC that does not match, arrays that disagree) is discarded with
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from flashmemory.kvcache.config import TieredCacheConfig
-from flashmemory.kvcache.levels.disk_pool import DiskPool
+from flashmemory.kvcache.levels.protocol import PersistentMedium
 from flashmemory.kvcache.levels.record_mac import TAG_BYTES
 from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
 from flashmemory.kvcache.manager.prefix_cache import PrefixCache
@@ -49,14 +50,15 @@ class Recovered:
 
 
 class PrefixStore:
-    """Owns the index file of a persistent cold zone: saving it, recovering the cache from it,
+    """Owns the index file of a persistent level: saving it, recovering the cache from it,
     and the counts of what recovery refused."""
 
     def __init__(self, folder: str | os.PathLike, namespace: bytes,
-                 geometry: IndexGeometry) -> None:
+                 geometry: IndexGeometry, level: int = Level.DISK) -> None:
         self.path = Path(folder) / INDEX_NAME
         self.namespace = namespace
         self.geometry = geometry
+        self.level = level  # the persistent level: the copies there are what the index names
         self.counters = {
             "persist_index_discarded": 0,  # index files not believed (the cache started empty)
             "persist_records_recovered": 0,  # blocks back on L2 from the previous process
@@ -68,25 +70,25 @@ class PrefixStore:
         }
 
     @classmethod
-    def for_config(cls, cfg: TieredCacheConfig) -> PrefixStore:
+    def for_config(cls, cfg: TieredCacheConfig, level: int, num_slots: int) -> PrefixStore:
+        """The store of the persistent `level` (of `num_slots` slots)."""
         digest = (cfg.num_layers, cfg.num_kv_heads, cfg.digest_boxes * 2 * cfg.head_dim)
         assert cfg.cold_zone_dir is not None  # persist_cache needs one (engine/sizing.py)
         return cls(cfg.cold_zone_dir, cfg.prefix_namespace(),
-                   IndexGeometry(cfg.block_size, digest, cfg.disk_slots, cfg.vocab_size))
+                   IndexGeometry(cfg.block_size, digest, num_slots, cfg.vocab_size), level)
 
     def stats(self) -> dict[str, int]:
         return dict(self.counters)
 
     # ---- saving ------------------------------------------------------------------------------
 
-    def save(self, prefix_cache: PrefixCache, disk: DiskPool, digests: dict[int, torch.Tensor],
-             sessions: dict[str, list[int]]) -> int:
-        """Index every named block with a copy on L2 (their digests from `digests`, by name);
-        returns the count."""
-        folder, signer = disk.folder, disk.signer
-        assert folder is not None and signer is not None, "a persistent L2 file is needed"
-        entries = [e for e in prefix_cache.index.values() if Level.DISK in e.slots
-                   and e.token_ids is not None and disk.tag_of(e.slots[Level.DISK])]
+    def save(self, prefix_cache: PrefixCache, disk: PersistentMedium,
+             digests: dict[int, torch.Tensor], sessions: dict[str, list[int]]) -> int:
+        """Index every named block with a copy on the persistent level (their digests from
+        `digests`, by name); returns the count."""
+        folder, signer, level = disk.folder, disk.signer, self.level
+        entries = [e for e in prefix_cache.index.values() if level in e.slots
+                   and e.token_ids is not None and disk.tag_of(e.slots[level])]
         disk.sync()  # the blocks reach the disk before an index that names them
         n = len(entries)
         digest_list = [digests[e.block_hash].to(torch.float16).cpu().numpy() for e in entries]
@@ -95,12 +97,12 @@ class PrefixStore:
             "namespace": np.frombuffer(self.namespace, dtype=np.uint8),
             "names": np.array([list(e.block_hash.to_bytes(16, "little")) for e in entries],
                               dtype=np.uint8).reshape(n, 16),
-            "slots": np.array([e.slots[Level.DISK] for e in entries], dtype="<i8"),
+            "slots": np.array([e.slots[level] for e in entries], dtype="<i8"),
             "tokens": np.array([e.token_ids for e in entries],
                                dtype="<i4").reshape(n, prefix_cache.block_size),
             "digests": np.stack(digest_list) if n
             else np.zeros((0, *self.geometry.digest_shape), dtype="<f2"),
-            "tags": np.array([list(disk.tag_of(e.slots[Level.DISK])) for e in entries],
+            "tags": np.array([list(disk.tag_of(e.slots[level])) for e in entries],
                              dtype=np.uint8).reshape(n, TAG_BYTES),
             "sessions": np.frombuffer(json.dumps(sessions).encode(), dtype=np.uint8),
         }
@@ -115,7 +117,7 @@ class PrefixStore:
     # ---- recovering --------------------------------------------------------------------------
 
     def load(self, prefix_cache: PrefixCache, blocks: BlockManager,
-             disk: DiskPool) -> tuple[Recovered, dict]:
+             disk: PersistentMedium) -> tuple[Recovered, dict]:
         """Recover the cached blocks the index names; returns what happened and their digests
         (name -> tensor)."""
         found = Recovered()
@@ -146,10 +148,9 @@ class PrefixStore:
         self._log_recovery(found.num_blocks)
         return found, digests
 
-    def _read(self, disk: DiskPool) -> dict[str, np.ndarray] | None:
+    def _read(self, disk: PersistentMedium) -> dict[str, np.ndarray] | None:
         """The index's arrays, or None (no index, or one discarded: logged once and counted)."""
         folder, signer = disk.folder, disk.signer
-        assert folder is not None and signer is not None, "a persistent L2 file is needed"
         try:
             fd = folder.open(INDEX_NAME, os.O_RDONLY)
         except FileNotFoundError:
@@ -173,30 +174,28 @@ class PrefixStore:
         return None
 
     def _adopt(self, entries: list[Entry], prefix_cache: PrefixCache, blocks: BlockManager,
-               disk: DiskPool) -> dict[int, torch.Tensor]:
+               disk: PersistentMedium) -> dict[int, torch.Tensor]:
         """Serve each entry whose slot still names it and whose record matches its MAC; returns
         their digests by name."""
-        assert disk.signer is not None
         digests: dict[int, torch.Tensor] = {}
         taken: set[int] = set()
         for entry in sorted(entries, key=lambda e: e.slot):  # in file order: one pass
-            record = disk.read_record(entry.slot)
-            header = disk.shape.parse(record)
-            if header is None or header[0] != entry.name:
+            left = disk.read_left(entry.slot)
+            if left is None or left.name != entry.name:
                 self.counters["persist_records_discarded_stale"] += 1
                 continue
-            if not disk.signer.record_ok(entry.slot, record, entry.tag):
+            if not disk.signer.record_ok(entry.slot, left.record, entry.tag):
                 self.counters["persist_records_discarded_unauthenticated"] += 1
                 continue
-            block = BlockEntry(slots={Level.DISK: entry.slot})
+            block = BlockEntry(slots={self.level: entry.slot})
             if not prefix_cache.register(block, entry.name, entry.tokens):
                 self.counters["persist_records_discarded_invalid"] += 1
                 continue
-            disk.adopt(entry.slot, header[1], entry.tag)
+            disk.adopt(entry.slot, left, entry.tag)
             taken.add(entry.slot)
             prefix_cache.release(block)
             digests[entry.name] = torch.from_numpy(entry.digest.astype(np.float32))
-        blocks.allocators[Level.DISK].take(taken)
+        blocks.allocators[self.level].take(taken)
         return digests
 
     def _log_recovery(self, num_blocks: int) -> None:

@@ -1,5 +1,6 @@
 """CacheSessions: named conversations whose cached KV is kept from eviction, and (persist_cache) the prefix cache
-written down to the persistent L2 file and its index at a clean shutdown, recovered by the next process."""
+written down to the persistent level (the L2 file) and its index at a clean shutdown, recovered by
+the next process."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from flashmemory.errors import FlashMemoryError
-from flashmemory.kvcache.levels.protocol import StorageLevel
+from flashmemory.kvcache.levels.protocol import PersistentMedium, StorageLevel
 from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
 from flashmemory.kvcache.manager.prefix_cache import PrefixCache
 from flashmemory.kvcache.placement import Placement
@@ -22,8 +23,9 @@ class CacheSessions:
     """Owns the saved sessions (name -> tokens whose blocks are held), the digests of recovered blocks and the
     persistent index (when there is one)."""
 
-    def __init__(self, prefix_cache: PrefixCache, blocks: BlockManager, levels: dict[Level, StorageLevel],
-                 placement: Placement, digest_of: Callable[[BlockEntry], torch.Tensor], store: PrefixStore | None,
+    def __init__(self, prefix_cache: PrefixCache, blocks: BlockManager,
+                 levels: dict[int, StorageLevel], placement: Placement,
+                 digest_of: Callable[[BlockEntry], torch.Tensor], store: PrefixStore | None,
                  block_size: int) -> None:
         self.prefix_cache = prefix_cache
         self.blocks = blocks
@@ -62,21 +64,27 @@ class CacheSessions:
                 self.levels[level].free(slot)
 
     def flush(self) -> int:
-        """Write every named block held only in memory down to L2 and publish the index; returns the blocks indexed
-        (0 without a persistent cold zone)."""
+        """Write every named block held only on faster levels down to the persistent one and
+        publish the index; returns the blocks indexed (0 without a persistent level)."""
         if self.store is None:
             return 0
-        disk = self.levels[Level.DISK]
+        level = self.store.level
         for entry in list(self.prefix_cache.index.values()):
             if entry.block_hash not in self._digests:
                 self._digests[entry.block_hash] = self.digest_of(entry).to(torch.float16).cpu()
-            if Level.DISK not in entry.slots and Level.HOST in entry.slots:
+            if level not in entry.slots and any(Level.HOST <= lv < level for lv in entry.slots):
                 try:
-                    self.placement.write_cold_copy(entry)
+                    self.placement.write_copy(entry, level)
                 except FlashMemoryError as e:
                     logger.warning(
                         "a cached block could not be written down (%s); it will be recomputed", e)
-        return self.store.save(self.prefix_cache, disk, self._digests, self.sessions)
+        return self.store.save(self.prefix_cache, self._persistent(), self._digests, self.sessions)
+
+    def _persistent(self) -> PersistentMedium:
+        assert self.store is not None
+        medium = self.levels[self.store.level].persistence()
+        assert medium is not None, "the store is made for a persistent level only"
+        return medium
 
     def stats(self) -> dict[str, int]:
         """The persistent index's counters (what recovery refused); empty without persist_cache."""
@@ -94,7 +102,7 @@ class CacheSessions:
 
     def _recover(self) -> None:
         assert self.store is not None
-        found, self._digests = self.store.load(self.prefix_cache, self.blocks, self.levels[Level.DISK])
+        found, self._digests = self.store.load(self.prefix_cache, self.blocks, self._persistent())
         for name, tokens in found.sessions.items():
             if found.discarded_namespace:  # no block of it is cached: keep its tokens, a prompt recomputes them
                 self.sessions[name] = list(tokens)

@@ -1,4 +1,5 @@
-"""TieredKVCache: KV in paged blocks over three levels (L0 device INT4, L1 host FP16, L2 disk INT2).
+"""TieredKVCache: KV in paged blocks over an ordered list of levels (by default L0 device INT4, L1
+host FP16, L2 disk INT2; TieredCacheConfig.hierarchy() lists them, manager/hierarchy.py says how).
 
 The composition root of the hierarchy. Every full block gets an FP16 master copy in L1 when it is written, plus an
 L0 copy while it is hot (attention sinks, pinned spans, the last `active_window` tokens); where each block lives
@@ -15,8 +16,9 @@ import torch
 from flashmemory.errors import ColdBlockError, SessionsUnavailableError, blame_sequence
 from flashmemory.kvcache.attention.backend import AttentionBackend, LevelRead
 from flashmemory.kvcache.attention.registry import select_backend
-from flashmemory.kvcache.config import KV_DTYPE, TieredCacheConfig, level_codecs
+from flashmemory.kvcache.config import KV_DTYPE, TieredCacheConfig, hierarchy_codecs
 from flashmemory.kvcache.interface import ForwardBatch, KVCache, SequenceSlice
+from flashmemory.kvcache.kv_stats import KVStats
 from flashmemory.kvcache.levels.protocol import StorageLevel
 from flashmemory.kvcache.levels.registry import build_levels
 from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
@@ -26,6 +28,7 @@ from flashmemory.kvcache.native import native_selection, use_native_reads
 from flashmemory.kvcache.placement import Placement
 from flashmemory.kvcache.prefix_store import PrefixStore
 from flashmemory.kvcache.sessions import CacheSessions
+from flashmemory.kvcache.tiered_stats import tiered_stats
 from flashmemory.kvcache.prefetch import build_prefetch
 from flashmemory.kvcache.prefetch.access_trace import TraceRecorder
 from flashmemory.kvcache.prefetch.device_staging import DeviceStaging
@@ -43,18 +46,20 @@ class TieredKVCache(KVCache):
 
     def __init__(self, cfg: TieredCacheConfig) -> None:
         self.cfg = cfg
+        self.hierarchy = cfg.hierarchy()  # the levels in order, from the settings
         self.policy = cfg.placement_policy()
-        self.codecs = level_codecs(cfg.kv_precision, cfg.block_size, cfg.head_dim, cfg.kv_quant_range)
-        self.levels: dict[Level, StorageLevel] = build_levels(cfg, self.codecs)
-        use_native_reads(self.levels.get(Level.DISK))  # the disk level's segments read in batches (C)
-        self.prefix_cache = PrefixCache(cfg.block_size, cfg.prefix_namespace()) if cfg.prefix_caching else None
+        self.codecs = hierarchy_codecs(self.hierarchy, cfg.block_size, cfg.head_dim,
+                                       cfg.kv_quant_range)
+        self.levels: dict[int, StorageLevel] = build_levels(cfg, self.hierarchy, self.codecs)
+        for storage in self.levels.values():
+            use_native_reads(storage)  # a file's segments read in batches (C)
+        self.prefix_cache = (PrefixCache(cfg.block_size, cfg.prefix_namespace(), len(self.levels))
+                             if cfg.prefix_caching else None)
         # Decode reads differ from prefill's FP16 reads (a quantized window copy or query-aware selection).
         self._approximate_decode = cfg.selection != "exact" or cfg.kv_precision != "fp16"
         self.blocks = BlockManager({level: lvl.num_slots for level, lvl in self.levels.items()}, self.prefix_cache)
         self.placement = Placement(self.policy, self.blocks, self.levels, self.codecs,
-                                   cfg.prefix_cache_host_bytes // self.levels[Level.HOST].bytes_per_slot,
-                                   cfg.prefix_cache_disk_bytes // self.levels[Level.DISK].bytes_per_slot
-                                   if Level.DISK in self.levels else None)
+                                   self.hierarchy, self._cached_slots())
         # Objects told of every query-aware choice (trace recorder, prefetcher); none = no scoring overhead.
         self.choice_observers: list[ChoiceObserver] = []
         self.reader = BlockReader(cfg, self.blocks, self.levels, self.codecs, self.choice_observers,
@@ -73,15 +78,33 @@ class TieredKVCache(KVCache):
             self.choice_observers.append(self.trace)
         self.sessions: CacheSessions | None = None  # named conversations and (persist_cache) the saved index
         if self.prefix_cache is not None:
-            persistent = cfg.persist_cache and Level.DISK in self.levels
-            store = PrefixStore.for_config(cfg) if persistent else None
-            self.sessions = CacheSessions(self.prefix_cache, self.blocks, self.levels, self.placement,
-                                          self._computed_digest, store, cfg.block_size)
+            self.sessions = CacheSessions(self.prefix_cache, self.blocks, self.levels,
+                                          self.placement, self._computed_digest,
+                                          self._prefix_store(), cfg.block_size)
         prefetch = build_prefetch(cfg, self.levels)
         self.prefetcher: Prefetcher | None = None
         self.device_staging: DeviceStaging | None = prefetch.device_staging
         self.reader.use_per_head_source(Level.HOST, self.device_staging)
         self.use_prefetcher(prefetch.prefetcher)
+
+    def _cached_slots(self) -> dict[int, int]:
+        """The slots unused cached blocks may keep on L1 and on the level below it
+        (prefix_cache_host_bytes, prefix_cache_disk_bytes); the levels after those keep what their
+        size allows."""
+        budgets = (self.cfg.prefix_cache_host_bytes, self.cfg.prefix_cache_disk_bytes)
+        return {level: nbytes // self.levels[level].bytes_per_slot
+                for level, nbytes in zip((Level.HOST, Level.DISK), budgets)
+                if level in self.levels}
+
+    def _prefix_store(self) -> PrefixStore | None:
+        """persist_cache: the index of the first level whose medium keeps its blocks across
+        restarts."""
+        persistent = [level for level, storage in self.levels.items()
+                      if storage.persistence() is not None]
+        if not (self.cfg.persist_cache and persistent):
+            return None
+        level = persistent[0]
+        return PrefixStore.for_config(self.cfg, level, self.levels[level].num_slots)
 
     # ---- the levels, by their usual names ---------------------------------------------------------------------
 
@@ -100,7 +123,8 @@ class TieredKVCache(KVCache):
     def kv_capacity(self) -> KVCapacity:
         """Slots per level and the placement policy: what the scheduler checks a step against."""
         capacity = {level: alloc.num_slots for level, alloc in self.blocks.allocators.items()}
-        return KVCapacity(self.policy, capacity, self.cfg.max_num_seqs, self.prefix_cache)
+        return KVCapacity(self.policy, capacity, self.cfg.max_num_seqs, self.prefix_cache,
+                          self.hierarchy)
 
     def use_prefetcher(self, prefetcher: Prefetcher | None) -> Prefetcher | None:
         """Swap the L2 prefetcher (None: read L2 on demand only); returns the previous one, still open."""
@@ -187,9 +211,13 @@ class TieredKVCache(KVCache):
         (KV_DTYPE, on the cache's device), each from its most precise copy."""
         kv = [self.rows.arena.new_empty((2, self.cfg.num_layers, self.cfg.num_kv_heads, 0, self.cfg.head_dim))]
         for block in blocks:
-            level = next((lv for lv in (Level.HOST, Level.DEVICE, Level.DISK) if lv in block.slots))
+            level = self._precise_copy(block)
             kv.append(self.codecs[level].decode(self.levels[level].read_block(block.slots[level]), KV_DTYPE))
         return torch.cat([t.to(self.cfg.device) for t in kv], dim=3)
+
+    def _precise_copy(self, block: BlockEntry) -> int:
+        """A block's most precise copy: the master (L1) among equals, then the fastest."""
+        return max(block.slots, key=lambda lv: (self.codecs[lv].bits, lv == Level.HOST, -lv))
 
     def sequence_ids(self) -> list[int]:
         return list(self.seqs)
@@ -345,40 +373,10 @@ class TieredKVCache(KVCache):
         ahead = self.device_staging.area.numel() if self.device_staging is not None else 0
         return self.device_pool.capacity_bytes + self.rows.nbytes + ahead
 
-    def stats(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {
-            "num_sequences": len(self.seqs),
-            "num_tokens": sum(s.num_tokens for s in self.seqs.values()),
-        }
-        # As vLLM counts them: cached blocks nobody uses are free (evicted on demand), reported apart.
-        cached = self.prefix_cache.unused_copies() if self.prefix_cache is not None else {}
-        for level, st in self.blocks.level_stats().items():
-            name = f"L{int(level)}"
-            pool = self.levels[level]
-            in_use = st["slots_used"] - cached.get(level, 0)
-            out[f"{name}_blocks"] = in_use
-            out[f"{name}_blocks_total"] = st["slots_total"]
-            out[f"{name}_bytes"] = in_use * pool.bytes_per_slot
-            out[f"{name}_bytes_capacity"] = pool.capacity_bytes
-            out[f"{name}_cached_blocks"] = cached.get(level, 0)
-            out[f"{name}_cached_bytes"] = cached.get(level, 0) * pool.bytes_per_slot
-        out["L0_bytes"] = self.device_bytes_used()
-        out["L0_bytes_capacity"] = self.device_bytes_capacity()
-        out.update(self.reader.selection_stats(s.digest for s in self.seqs.values()))
-        for route, n in self.placement.bytes_moved.items():
-            out[f"bytes_moved_{route}"] = n
-        for level, storage in self.levels.items():
-            for key, n in storage.counters().items():
-                out[f"L{int(level)}_{key}"] = n
-        if self.prefix_cache is not None:
-            out.update(self.prefix_cache.stats())
-        if self.sessions is not None:
-            out.update(self.sessions.stats())  # persist_cache: what recovery discarded
-        if self.prefetcher is not None:
-            out.update(self.prefetcher.stats())
-        if self.device_staging is not None:
-            out.update(self.device_staging.stats())
-        return out
+    def kv_stats(self) -> KVStats:
+        """One typed snapshot: every level in order, selection, moves and the parts the cache
+        runs (kvcache/tiered_stats.py)."""
+        return tiered_stats(self)
 
     # ---- sessions and persistence (kvcache/sessions.py) -------------------------------------------------------
 

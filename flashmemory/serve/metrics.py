@@ -1,8 +1,10 @@
 """ServerMetrics: the server's Prometheus registry (`flashmemory:` prefix, vLLM's names where the meaning is the same).
 
 Request metrics are updated by the engine thread as tokens are sampled; the KV levels are exported per `tier`
-(L0 device, L1 host, L2 disk) from the latest `cache.stats()` snapshot the engine thread publishes each step, and
-so are the L2 prefetcher's figures when the cache runs one (PREFETCH_SERIES).
+(each level's label: L0 device, L1 host, L2 disk by default) from the latest `cache.kv_stats()`
+snapshot the engine thread publishes each step, and so are the prefetcher's figures when the cache
+runs one (PREFETCH_SERIES). Every series reads an attribute of the typed snapshot
+(kvcache/kv_stats.py): a renamed field fails here, it does not drop a series.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from flashmemory.kvcache.kv_stats import KVStats, MediumCounters
+
 PREFIX = "flashmemory:"
-TIERS = ("L0", "L1", "L2")
 # vLLM's buckets for the same histograms.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -27,16 +30,17 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 @dataclass(frozen=True)
 class StatSeries:
-    """One `cache.stats()` key exported as one series named PREFIX + key (labelled by model_name only)."""
+    """One field of a KVStats part exported as one series named PREFIX + field (labelled by
+    model_name only)."""
 
-    key: str  # the stats key, and the metric name after PREFIX (a counter's exposition adds `_total`)
+    key: str  # the field, and the metric name after PREFIX (a counter's exposition adds `_total`)
     kind: str  # "counter" (cumulative since the prefetcher started) or "gauge"
     doc: str
 
 
-# The prefetcher's figures (DESIGN.md §prefetch). Like the per-tier series, a series exists only when the snapshot
-# has its key: a cache without a prefetcher exports none (zeros would claim a prefetcher that never hits), and
-# keys a version does not report yet (predictor seconds, device staging) simply have no series.
+# The prefetcher's figures (DESIGN.md §prefetch), fields of PrefetchStats; a series exists only
+# when the snapshot has the part: a cache without a prefetcher exports none (zeros would claim a
+# prefetcher that never hits).
 PREFETCH_SERIES = (
     StatSeries("prefetch_issued", "counter", "L2 segment reads the prefetcher queued"),
     StatSeries("prefetch_completed", "counter", "Prefetched L2 segments read, verified and staged in host memory"),
@@ -56,7 +60,10 @@ PREFETCH_SERIES = (
     StatSeries("prefetch_staged_bytes", "gauge", "Bytes staged by the prefetcher now"),
     StatSeries("prefetch_depth", "gauge",
                "Prefetch depth now (blocks ranked per block a step selects; the adaptive strategy moves it)"),
-    # Device staging of warm (L1) blocks ahead of the step that reads them, counted per (block, layer, KV head).
+)
+# Device staging of warm (L1) blocks ahead of the step that reads them, counted per (block, layer,
+# KV head).
+STAGING_SERIES = (
     StatSeries("device_staging_issued", "counter", "L1 block records the device staging area was asked to copy ahead"),
     StatSeries("device_staging_hits", "counter", "L1 block reads served from the device staging area"),
     StatSeries("device_staging_misses", "counter", "L1 block reads copied from host memory on demand (not staged)"),
@@ -66,7 +73,8 @@ PREFETCH_SERIES = (
 )
 
 
-# The prefix cache's figures (vLLM's names for queries and hits, counted in tokens), when the cache has one.
+# The prefix cache's figures (vLLM's names for queries and hits, counted in tokens), fields of
+# PrefixStats.
 PREFIX_SERIES = (
     StatSeries("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache"),
     StatSeries("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache (their prefill was skipped)"),
@@ -76,14 +84,17 @@ PREFIX_SERIES = (
 
 
 class _KVCollector(Collector):
-    """Exports the KV levels from the latest stats snapshot (a dict replaced whole, so reads need no lock)."""
+    """Exports the KV levels from the latest stats snapshot (replaced whole, so reads need no
+    lock)."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.snapshot: dict[str, int | float] = {}
+        self.snapshot: KVStats | None = None
 
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot
+        if s is None:
+            return
         labels = ["model_name", "tier"]
 
         def family(kind, name: str, doc: str, extra: list[str] | None = None):
@@ -110,75 +121,68 @@ class _KVCollector(Collector):
                            "(host pages touched, the sparse cold file's allocated blocks); stays at the working set")
         failures = family("counter", "kv_load_failures", "Blocks that failed to load from a level, by reason",
                           ["reason"])
-        for tier in TIERS:
-            key = f"{tier}_blocks"
-            if key not in s:
-                continue
-            lv = [self.model_name, tier]
-            blocks.add_metric(lv, s[key])
-            total = s.get(f"{tier}_blocks_total", 0)
-            blocks_total.add_metric(lv, total)
-            used, cap = s.get(f"{tier}_bytes", 0), s.get(f"{tier}_bytes_capacity", 0)
-            nbytes.add_metric(lv, used)
-            capacity.add_metric(lv, cap)
-            usage.add_metric(lv, used / cap if cap else 0.0)
-            if f"{tier}_selected_fraction" in s:
-                selected.add_metric(lv, s[f"{tier}_selected_fraction"])
-            if f"{tier}_load_failures_missing" in s or tier == "L2":
-                for reason in ("missing", "truncated", "checksum", "header"):
-                    failures.add_metric(lv + [reason], s.get(f"{tier}_load_failures_{reason}", 0))
-            if f"{tier}_bytes_read" in s:
-                read.add_metric(lv, s[f"{tier}_bytes_read"])
-            if f"{tier}_bytes_committed" in s:
-                committed.add_metric(lv, s[f"{tier}_bytes_committed"])
-            if f"{tier}_cached_blocks" in s:
-                cached.add_metric(lv, s[f"{tier}_cached_blocks"])
-            if f"{tier}_prefix_hit_blocks" in s:
-                prefix_hits.add_metric(lv, s[f"{tier}_prefix_hit_blocks"])
-                prefix_evicted.add_metric(lv, s[f"{tier}_prefix_evicted_blocks"])
-        for key, value in s.items():
-            if key.startswith("bytes_moved_"):
-                source, _, dest = key.removeprefix("bytes_moved_").partition("->")
-                moved.add_metric([self.model_name, dest, source], value)
+        for level in s.levels:
+            lv = [self.model_name, level.label]
+            blocks.add_metric(lv, level.blocks)
+            blocks_total.add_metric(lv, level.blocks_total)
+            nbytes.add_metric(lv, level.bytes)
+            capacity.add_metric(lv, level.bytes_capacity)
+            usage.add_metric(lv, level.usage)
+            if level.selected_fraction is not None:
+                selected.add_metric(lv, level.selected_fraction)
+            medium: MediumCounters = level.medium
+            for reason, n in (medium.load_failures or {}).items():
+                failures.add_metric(lv + [reason], n)
+            if medium.bytes_read is not None:
+                read.add_metric(lv, medium.bytes_read)
+            if medium.bytes_committed is not None:
+                committed.add_metric(lv, medium.bytes_committed)
+            cached.add_metric(lv, level.cached_blocks)
+            if level.prefix_hit_blocks is not None:
+                prefix_hits.add_metric(lv, level.prefix_hit_blocks)
+                prefix_evicted.add_metric(lv, level.prefix_evicted_blocks)
+        for move in s.moves:
+            moved.add_metric([self.model_name, move.dest, move.source], move.bytes)
         yield from (usage, blocks, blocks_total, nbytes, capacity, selected, moved, read, failures, committed, cached)
-        if "prefix_cache_queries" in s:
+        if s.prefix is not None:
             yield from (prefix_hits, prefix_evicted)
-        yield from self._series(PREFIX_SERIES)
-        yield from self._series(PREFETCH_SERIES)
+        yield from self._series(s.prefix, PREFIX_SERIES)
+        yield from self._series(s.prefetch, PREFETCH_SERIES)
+        yield from self._series(s.staging, STAGING_SERIES)
         yield from self._budget()
 
     def _budget(self) -> Iterator[Metric]:
         """The L0 budget the DynamicBudgetController sets, its adjustments and its inputs (when it runs)."""
-        s = self.snapshot
-        if "L0_budget_bytes" not in s:
+        b = self.snapshot.budget if self.snapshot is not None else None
+        if b is None:
             return
         budget = GaugeMetricFamily(PREFIX + "kv_budget_bytes", "KV bytes a level may hold now (the L0 budget the "
                                    "budget controller moves within max_gpu_memory_mb)", labels=["model_name", "tier"])
-        budget.add_metric([self.model_name, "L0"], s["L0_budget_bytes"])
+        budget.add_metric([self.model_name, "L0"], b.L0_budget_bytes)
         adjustments = CounterMetricFamily(PREFIX + "kv_budget_adjustments", "Changes of the L0 budget by the budget "
                                           "controller, by direction", labels=["model_name", "direction"])
-        for direction in ("down", "up"):
-            adjustments.add_metric([self.model_name, direction], s[f"budget_adjustments_{direction}"])
+        adjustments.add_metric([self.model_name, "down"], b.budget_adjustments_down)
+        adjustments.add_metric([self.model_name, "up"], b.budget_adjustments_up)
         share = GaugeMetricFamily(PREFIX + "kv_l0_read_share", "Share of the KV blocks decode steps read that L0 "
                                   "served (0-1, since start)", labels=["model_name"])
-        share.add_metric([self.model_name], s["L0_read_share"])
+        share.add_metric([self.model_name], b.L0_read_share)
         yield from (budget, adjustments, share)
-        if "device_utilization" in s:
+        if b.device_utilization is not None:
             util = GaugeMetricFamily(PREFIX + "device_utilization", "Device utilization the budget controller read "
                                      "last (NVML on a GPU, the engine thread's busy fraction on a CPU; 0-1)",
                                      labels=["model_name"])
-            util.add_metric([self.model_name], s["device_utilization"])
+            util.add_metric([self.model_name], b.device_utilization)
             yield util
 
-    def _series(self, table: tuple[StatSeries, ...]) -> Iterator[Metric]:
-        """One family per table entry whose key the snapshot has (a counter's exposition name ends in `_total`)."""
-        s = self.snapshot
+    def _series(self, record: object | None, table: tuple[StatSeries, ...]) -> Iterator[Metric]:
+        """One family per table entry, read from `record`'s field of that name (nothing without the
+        record)."""
+        if record is None:
+            return
         for entry in table:
-            if entry.key not in s:
-                continue
             cls = GaugeMetricFamily if entry.kind == "gauge" else CounterMetricFamily
             family = cls(PREFIX + entry.key, entry.doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(s[entry.key]))
+            family.add_metric([self.model_name], float(getattr(record, entry.key)))
             yield family
 
 
@@ -234,5 +238,5 @@ class ServerMetrics:
     def count_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
 
-    def publish_kv(self, stats: dict[str, int | float]) -> None:
-        self._kv.snapshot = dict(stats)
+    def publish_kv(self, stats: KVStats) -> None:
+        self._kv.snapshot = stats

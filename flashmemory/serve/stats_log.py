@@ -6,6 +6,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from flashmemory.kvcache.kv_stats import KVStats
+
 logger = logging.getLogger(__name__)
 
 
@@ -25,7 +27,7 @@ class StatsLogger:
         self._generation_tokens += generation_tokens
         self._preemptions += preemptions
 
-    def maybe_log(self, num_running: int, num_waiting: int, kv_stats: dict[str, int | float]) -> str | None:
+    def maybe_log(self, num_running: int, num_waiting: int, kv_stats: KVStats) -> str | None:
         """Log (and return) the line when the interval has passed and something happened or is pending."""
         now = self.clock()
         elapsed = now - self._last_at
@@ -34,14 +36,13 @@ class StatsLogger:
         idle = not (self._prompt_tokens or self._generation_tokens or num_running or num_waiting)
         line = None
         if not idle:
-            usage = ", ".join(f"{tier} {kv_stats[f'{tier}_bytes'] / kv_stats[f'{tier}_bytes_capacity']:.1%}"
-                              for tier in ("L0", "L1", "L2")
-                              if kv_stats.get(f"{tier}_bytes_capacity"))
+            usage = ", ".join(f"{level.label} {level.usage:.1%}" for level in kv_stats.levels
+                              if level.bytes_capacity)
             line = (f"prompt throughput {self._prompt_tokens / elapsed:.1f} tokens/s, generation throughput "
                     f"{self._generation_tokens / elapsed:.1f} tokens/s | running {num_running}, waiting "
                     f"{num_waiting}, preempted {self._preemptions} | KV usage {usage or 'n/a'}")
-            if "prefix_cache_hit_rate" in kv_stats:
-                line += f" | prefix cache hit rate {kv_stats['prefix_cache_hit_rate']:.1%}"
+            if kv_stats.prefix is not None:
+                line += f" | prefix cache hit rate {kv_stats.prefix.prefix_cache_hit_rate:.1%}"
             logger.info(line)
         self._last_at = now
         self._prompt_tokens = self._generation_tokens = self._preemptions = 0

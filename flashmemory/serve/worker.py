@@ -20,6 +20,7 @@ from flashmemory.engine.core import Delivery, EngineCore
 from flashmemory.engine.request import SequenceRequest, Sink
 from flashmemory.engine.scheduler import Scheduler
 from flashmemory.errors import FlashMemoryError
+from flashmemory.kvcache.kv_stats import BudgetStats
 from flashmemory.serve.metrics import ServerMetrics
 from flashmemory.serve.stats_log import StatsLogger
 
@@ -188,10 +189,10 @@ class EngineWorker:
     def _publish(self) -> None:
         """Refresh the gauges and the KV snapshot; maybe write the periodic stats line."""
         s = self.core.scheduler
-        stats = dict(self.engine.cache.stats())
+        stats = self.engine.cache.kv_stats()
         if self.engine.budget_controller is not None:
-            stats.update(self.engine.budget_controller.stats())
-        self.kv_stats = stats
+            stats.budget = BudgetStats(**self.engine.budget_controller.stats())
+        self.kv_stats = stats.as_dict()
         self.health = self.engine.health()  # probes the levels here, on the thread that owns them
         self.metrics.publish_kv(stats)
         self.metrics.num_requests_running.set(s.num_running)

@@ -7,6 +7,7 @@ import httpx
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from flashmemory.kvcache.kv_stats import BudgetStats, KVStats
 from flashmemory.serve.metrics import ServerMetrics
 from tests.serve.conftest import TINY_KV, live_server
 
@@ -23,8 +24,11 @@ def sample(family, **labels) -> float:
 
 def test_the_budget_series_follow_the_snapshot():
     metrics = ServerMetrics("m")
-    metrics.publish_kv({"L0_blocks": 3, "L0_budget_bytes": 90 * 2**20, "budget_adjustments_down": 2,
-                        "budget_adjustments_up": 1, "L0_read_share": 0.6, "device_utilization": 0.25})
+    budget = BudgetStats(L0_budget_bytes=90 * 2**20, L0_budget_slots=90,
+                         L0_budget_max_bytes=100 * 2**20, L0_budget_min_bytes=2**20,
+                         budget_adjustments_down=2, budget_adjustments_up=1, L0_read_share=0.6,
+                         device_utilization=0.25)
+    metrics.publish_kv(KVStats(1, 24, budget=budget))
     m = families(generate_latest(metrics.registry).decode())
     assert sample(m[P + "kv_budget_bytes"], tier="L0", model_name="m") == 90 * 2**20
     assert m[P + "kv_budget_adjustments"].type == "counter"
@@ -35,7 +39,7 @@ def test_the_budget_series_follow_the_snapshot():
 
 def test_no_controller_no_budget_series():
     metrics = ServerMetrics("m")
-    metrics.publish_kv({"L0_blocks": 3})
+    metrics.publish_kv(KVStats(1, 24))
     assert P + "kv_budget_bytes" not in families(generate_latest(metrics.registry).decode())
 
 

@@ -7,7 +7,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flashmemory import FlashMemoryEngine
-from flashmemory.serve.metrics import PREFETCH_SERIES, ServerMetrics
+from flashmemory.kvcache.kv_stats import (KVStats, LevelStats, MediumCounters, PrefetchStats,
+                                          StagingStats)
+from flashmemory.serve.metrics import PREFETCH_SERIES, STAGING_SERIES, ServerMetrics
 from flashmemory.serve.stats_log import StatsLogger
 
 P = "flashmemory:"
@@ -62,7 +64,7 @@ def test_metrics_parse_and_show_requests_tokens_latencies_and_every_tier(http):
     assert not [name for name in m if name.startswith((p + "prefetch_", p + "device_staging_"))]
 
 
-def exposition(stats: dict[str, int | float]) -> dict:
+def exposition(stats: KVStats) -> dict:
     """/metrics' text for a server whose engine thread published `stats`, parsed."""
     metrics = ServerMetrics("tiny")
     metrics.publish_kv(stats)
@@ -78,35 +80,46 @@ def test_prefetch_series_carry_a_real_prefetching_cache_stats(tiny_llama):
                                cold_zone_uncached_reads=True)
     try:
         engine.generate_token_ids(list(range(5, 101)), max_new_tokens=24, ignore_eos=True)
-        stats = dict(engine.last_kv_stats)
+        snapshot = engine.last_kv_snapshot
     finally:
         engine.close()
-    assert stats["prefetch_hits"] + stats["prefetch_misses"] > 0  # decode steps read L2 through the prefetcher
-    m = exposition(stats)
-    exported = [e for e in PREFETCH_SERIES if e.key in stats]
-    assert {e.key for e in exported} >= {"prefetch_issued", "prefetch_hits", "prefetch_misses",
-                                         "prefetch_wasted_bytes", "prefetch_hit_rate", "prefetch_staged_bytes",
-                                         "prefetch_depth"}
-    for e in exported:
+    prefetch = snapshot.prefetch
+    # Decode steps read L2 through the prefetcher.
+    assert prefetch.prefetch_hits + prefetch.prefetch_misses > 0
+    m = exposition(snapshot)
+    for e in PREFETCH_SERIES:
         family = m[P + e.key]
         assert family.type == e.kind, e.key
         (sample,) = family.samples
         assert sample.name == P + e.key + ("_total" if e.kind == "counter" else "")
         assert sample.labels == {"model_name": "tiny"}
-        assert sample.value == float(stats[e.key]), e.key
+        flat = engine.last_kv_stats[e.key]
+        assert sample.value == float(getattr(prefetch, e.key)) == float(flat), e.key
     assert 0 <= value(m[P + "prefetch_hit_rate"]) <= 1
-    # A key this cache does not report has no series.
-    assert not [e.key for e in PREFETCH_SERIES if e.key not in stats and P + e.key in m]
+    # No device staging in this cache: none of its series.
+    assert not [e.key for e in STAGING_SERIES if P + e.key in m]
 
 
-def test_prefetch_series_follow_the_snapshot_keys_predictor_seconds_and_device_staging_included():
-    kv = {"L0_blocks": 1, "L0_bytes": 10, "L0_bytes_capacity": 100}
+def _levels(*figures: tuple[int, int]) -> list[LevelStats]:
+    """Levels L0, L1, ... holding (bytes, capacity) each."""
+    return [LevelStats(i, "level", 1, 10, used, cap, 0, 0, MediumCounters())
+            for i, (used, cap) in enumerate(figures)]
+
+
+def test_prefetch_series_follow_the_snapshot_parts_predictor_seconds_and_device_staging_included():
+    kv = KVStats(1, 8, levels=_levels((10, 100)))
     m = exposition(kv)
     assert not [name for name in m if name.startswith((P + "prefetch_", P + "device_staging_"))]
-    m = exposition({**kv, "prefetch_issued": 7, "prefetch_hits": 30, "prefetch_misses": 10, "prefetch_hit_rate": 0.75,
-                    "prefetch_wasted_bytes": 4096, "prefetch_staged_bytes": 2048, "prefetch_depth": 1.5,
-                    "prefetch_predictor_seconds": 0.125, "device_staging_hits": 5, "device_staging_misses": 3,
-                    "device_staging_bytes": 512})
+    kv.prefetch = PrefetchStats(
+        prefetch_issued=7, prefetch_completed=6, prefetch_hits=30, prefetch_misses=10,
+        prefetch_late_misses=2, prefetch_hits_prefetched=20, prefetch_wasted_bytes=4096,
+        prefetch_dropped_races=0, prefetch_predictor_calls=3, prefetch_staged_bytes=2048,
+        prefetch_hit_rate=0.75, prefetch_predictor_seconds=0.125, prefetch_ranking_seconds=0.25,
+        predictor_ms=1.0, prefetch_ranking_ms=2.0, prefetch_depth=1.5)
+    kv.staging = StagingStats(device_staging_issued=8, device_staging_hits=5,
+                              device_staging_misses=3, device_staging_wasted_bytes=0,
+                              device_staging_bytes=512, device_staging_capacity_bytes=4096)
+    m = exposition(kv)
     assert value(m[P + "prefetch_issued"]) == 7 and value(m[P + "prefetch_wasted_bytes"]) == 4096
     assert value(m[P + "prefetch_hits"]) == 30 and value(m[P + "prefetch_misses"]) == 10
     assert value(m[P + "prefetch_predictor_seconds"]) == 0.125 and m[P + "prefetch_predictor_seconds"].type == "counter"
@@ -114,7 +127,6 @@ def test_prefetch_series_follow_the_snapshot_keys_predictor_seconds_and_device_s
     assert value(m[P + "prefetch_staged_bytes"]) == 2048 and value(m[P + "prefetch_depth"]) == 1.5
     assert value(m[P + "device_staging_hits"]) == 5 and value(m[P + "device_staging_misses"]) == 3
     assert value(m[P + "device_staging_bytes"]) == 512 and m[P + "device_staging_bytes"].type == "gauge"
-    assert P + "prefetch_completed" not in m  # not in the snapshot: no series
 
 
 class FakeClock:
@@ -129,8 +141,7 @@ def test_stats_line_reports_throughput_and_usage_and_stays_quiet_when_idle(caplo
     caplog.set_level("INFO", logger="flashmemory.serve.stats_log")
     clock = FakeClock()
     stats = StatsLogger(interval_s=10, clock=clock)
-    kv = {"L0_bytes": 25, "L0_bytes_capacity": 100, "L1_bytes": 1, "L1_bytes_capacity": 1000,
-          "L2_bytes": 0, "L2_bytes_capacity": 10}
+    kv = KVStats(2, 100, levels=_levels((25, 100), (1, 1000), (0, 10)))
     stats.record(prompt_tokens=100, generation_tokens=50)
     clock.now = 5
     assert stats.maybe_log(2, 1, kv) is None  # not yet due

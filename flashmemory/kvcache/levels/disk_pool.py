@@ -34,7 +34,7 @@ from flashmemory.kvcache.levels.cold_file import ColdFile
 from flashmemory.kvcache.levels.cold_record import RecordShape
 from flashmemory.kvcache.levels.file_io import PositionalIO
 from flashmemory.kvcache.levels.record_mac import RecordSigner
-from flashmemory.kvcache.levels.protocol import Slots
+from flashmemory.kvcache.levels.protocol import LeftRecord, Slots
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.quant import Codec, Parts
 
@@ -52,7 +52,7 @@ class BatchRead(Protocol):
 class DiskPool:
     """Owns the cold-zone file: put/get of encoded blocks by slot, with integrity checks and failure counters."""
 
-    level = Level.DISK
+    level: int = Level.DISK  # its position (the registry sets it where the file is another level)
 
     def __init__(
         self,
@@ -114,20 +114,32 @@ class DiskPool:
         """The checked folder of a persistent file (where its index lives); None for scratch."""
         return self.file.folder
 
+    def persistence(self) -> DiskPool | None:
+        """A persistent file is its own PersistentMedium (levels/protocol.py); scratch space is
+        none."""
+        return self if self.persistent else None
+
     def read_record(self, slot: int) -> bytes:
         """The slot's whole record as stored (header and every layer), for a MAC check (short at
         the end of a truncated file)."""
         return self.io.pread(self._fd, self.header_bytes + self.num_layers * self.segment_bytes,
                              slot * self.record_bytes)
 
+    def read_left(self, slot: int) -> LeftRecord | None:
+        """The block name and checksums the slot's header gives, with the whole record; None
+        where the header is not one of ours (format, shape, model)."""
+        record = self.read_record(slot)
+        header = self.shape.parse(record)
+        return None if header is None else LeftRecord(header[0], header[1], record)
+
     def tag_of(self, slot: int) -> bytes | None:
         """The MAC of the record in `slot` (None: it holds none, or the file is not persistent)."""
         return self._tags.get(slot)
 
-    def adopt(self, slot: int, crcs: list[int], tag: bytes | None = None) -> None:
+    def adopt(self, slot: int, left: LeftRecord, tag: bytes | None = None) -> None:
         """Serve the block a previous process wrote in `slot` (its checksums read back from its
         header, its MAC checked by the caller)."""
-        self._crcs[slot] = crcs
+        self._crcs[slot] = left.crcs
         if tag is not None:
             self._tags[slot] = tag
 

@@ -6,26 +6,62 @@ the level's codec. The cache writes whole blocks (`put`), reads one layer of man
 (`free`). `generation_of` changes whenever a slot's bytes are about to change (rewritten or freed), so a copy
 taken earlier (prefetch, device staging) can tell it went stale. The raw segment API (`read_segment`,
 `parts_from_segments`) lets a read-ahead layer keep verified bytes of one (slot, layer) without knowing the medium.
+A medium that can outlive its process (the disk file with persist_cache) offers a PersistentMedium
+through `persistence()`: what the prefix index (prefix_store.py) needs to save and recover its
+blocks; every other medium answers None, and persist_cache then has nothing to keep.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from flashmemory.kvcache.manager.blocks import Level
+from flashmemory.kvcache.levels.cache_folder import CacheFolder
+from flashmemory.kvcache.levels.record_mac import RecordSigner
 from flashmemory.kvcache.quant import Codec, Parts
 
 Slots = torch.Tensor | Sequence[int]  # slot numbers: an int64 tensor, or a list of ints
+
+
+@dataclass(frozen=True)
+class LeftRecord:
+    """What a previous process left in one slot: the block name and checksums its header gives, and
+    the record's bytes as stored (for the MAC check)."""
+
+    name: int
+    crcs: list[int]
+    record: bytes
+
+
+class PersistentMedium(Protocol):
+    """What a level that outlives its process offers the prefix index (kvcache/prefix_store.py)."""
+
+    folder: CacheFolder  # the checked folder the level's data and its index live in
+    signer: RecordSigner  # the cache's MAC key: records and the index are trusted through it
+
+    def tag_of(self, slot: int) -> bytes | None:
+        """The MAC of the record in `slot` (None: it holds none)."""
+
+    def sync(self) -> None:
+        """Make every block written so far durable (before an index that names them is
+        published)."""
+
+    def read_left(self, slot: int) -> LeftRecord | None:
+        """What a previous process left in `slot`; None where no valid header is (format, shape,
+        model)."""
+
+    def adopt(self, slot: int, left: LeftRecord, tag: bytes) -> None:
+        """Serve the block `left` describes from `slot` (its MAC `tag` checked by the caller)."""
 
 
 @runtime_checkable
 class StorageLevel(Protocol):
     """One KV level's slots on one medium."""
 
-    level: Level
+    level: int  # its position in the hierarchy (manager/hierarchy.py)
     codec: Codec
     num_slots: int
     bytes_per_slot: int  # encoded bytes of one block, every layer and KV head
@@ -63,6 +99,10 @@ class StorageLevel(Protocol):
 
     def parts_from_segments(self, data: bytes, n: int) -> Parts:
         """n segments back to back -> parts [n, num_kv_heads, ...]."""
+
+    def persistence(self) -> PersistentMedium | None:
+        """What keeps this level's blocks across restarts; None: the medium does not (memory,
+        scratch)."""
 
     def counters(self) -> dict[str, int]:
         """The medium's own counters for stats (e.g. bytes read, load failures by reason); may be empty."""

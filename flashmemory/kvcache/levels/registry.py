@@ -1,4 +1,8 @@
-"""The storage media a KV level can live on, by name: a new medium is one file plus one line here."""
+"""The storage media a KV level can live on, by name: a new medium is one file plus one line here.
+
+The levels themselves (their order, precision and capacity) are data: TieredCacheConfig.hierarchy()
+lists them from the settings, and a medium named in the kv_levels setting is looked up here.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,14 @@ from collections.abc import Callable
 
 import torch
 
+from flashmemory.errors import ConfigError
 from flashmemory.kvcache.config import TieredCacheConfig
 from flashmemory.kvcache.levels.device_arena import DeviceArena
 from flashmemory.kvcache.levels.disk_pool import DiskPool
 from flashmemory.kvcache.levels.protocol import StorageLevel
 from flashmemory.kvcache.levels.tensor_pool import TensorPool
 from flashmemory.kvcache.manager.blocks import Level
+from flashmemory.kvcache.manager.hierarchy import LevelSpec, as_level, level_label
 from flashmemory.kvcache.quant import Codec
 
 LevelFactory = Callable[[Level, Codec, int, TieredCacheConfig], StorageLevel]
@@ -33,6 +39,7 @@ def _disk_file(level: Level, codec: Codec, num_slots: int, cfg: TieredCacheConfi
     pool = DiskPool(codec, num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.block_size, cfg.head_dim,
                     cfg.cold_zone_dir, cfg.model_fingerprint, persistent=cfg.persist_cache,
                     namespace=cfg.prefix_namespace())
+    pool.level = level
     pool.set_uncached_reads(cfg.cold_zone_uncached_reads)
     return pool
 
@@ -42,19 +49,22 @@ MEDIA: dict[str, LevelFactory] = {
     "host_memory": _host_memory,
     "disk_file": _disk_file,
 }
-DEFAULT_MEDIA = {Level.DEVICE: "device_memory", Level.HOST: "host_memory", Level.DISK: "disk_file"}
 
 
-def build_levels(cfg: TieredCacheConfig, codecs: dict[Level, Codec]) -> dict[Level, StorageLevel]:
-    """One storage level per KV level the configuration has (L2 only with a cold zone)."""
-    slots = {Level.DEVICE: cfg.device_slots, Level.HOST: cfg.host_slots}
-    if cfg.cold_zone_enabled:
-        slots[Level.DISK] = cfg.disk_slots
-    levels: dict[Level, StorageLevel] = {}
+def build_levels(cfg: TieredCacheConfig, specs: tuple[LevelSpec, ...],
+                 codecs: dict[int, Codec]) -> dict[int, StorageLevel]:
+    """One storage level per level of the hierarchy, by level; ConfigError for a medium not in
+    MEDIA."""
+    levels: dict[int, StorageLevel] = {}
     try:
-        for level, num_slots in slots.items():
-            medium = cfg.level_media.get(level, DEFAULT_MEDIA[level])
-            levels[level] = MEDIA[medium](level, codecs[level], num_slots, cfg)
+        for i, spec in enumerate(specs):
+            factory = MEDIA.get(spec.medium)
+            if factory is None:
+                raise ConfigError(f"{level_label(i)}'s medium {spec.medium!r} is not a known "
+                                  f"storage medium; use one of {', '.join(sorted(MEDIA))} "
+                                  "(kv_levels)")
+            level = as_level(i)
+            levels[level] = factory(level, codecs[level], spec.num_slots, cfg)
     except Exception:
         for built in levels.values():
             built.close()

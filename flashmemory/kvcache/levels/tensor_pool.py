@@ -97,6 +97,10 @@ class TensorPool:
         records = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(n, self.storage.shape[1], -1)
         return self._parts(records.to(self.device))
 
+    def persistence(self) -> None:
+        """Memory does not outlive its process."""
+        return None
+
     def counters(self) -> dict[str, int]:
         # Allocated lazily by the OS: the pages touched so far (slots are reused most-recently-freed first).
         return {"bytes_committed": self.high_water_slots * self.bytes_per_slot}

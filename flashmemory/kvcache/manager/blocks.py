@@ -8,11 +8,23 @@ from typing import Protocol
 
 
 class Level(IntEnum):
-    """Where a copy of a block lives. Lower is faster and smaller."""
+    """Where a copy of a block lives: a level is its position in the hierarchy (lower is faster and
+    smaller; manager/hierarchy.py), and these name the first three. A level after them is a plain
+    int."""
 
     DEVICE = 0  # L0 hot: device memory (a budgeted arena on a CPU-only host), INT4 by default
     HOST = 1  # L1 warm: host memory (pinned with CUDA), FP16
     DISK = 2  # L2 cold: one preallocated file, INT2 by default
+
+
+def level_label(level: int) -> str:
+    """The one name of a level in stats, metrics, logs and messages: L0, L1, ..."""
+    return f"L{int(level)}"
+
+
+def as_level(index: int) -> int:
+    """A level's id: its position, as the Level member that names it for the first three."""
+    return Level(index) if index < len(Level) else index
 
 
 class SlotAllocator:
@@ -226,7 +238,8 @@ class BlockManager:
         """Record that block `index` of the sequence now has a copy on `level` at `slot`."""
         block = self.tables[seq_id].blocks[index]
         if level in block.slots:
-            raise ValueError(f"block {index} of sequence {seq_id} already has a copy on {level.name}")
+            raise ValueError(f"block {index} of sequence {seq_id} already has a copy on "
+                             f"{level_label(level)}")
         block.slots[level] = slot
 
     def detach(self, seq_id: int, index: int, level: Level) -> int:

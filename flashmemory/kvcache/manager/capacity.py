@@ -12,16 +12,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from flashmemory.kvcache.manager.blocks import Level
+from flashmemory.kvcache.manager.hierarchy import BUILT_IN_NAMES, LevelSpec, level_label
 from flashmemory.kvcache.manager.policy import Footprint, PlacementPolicy
 from flashmemory.kvcache.manager.prefix_cache import PrefixCache
-
-TIER_NAMES = {Level.DEVICE: "L0", Level.HOST: "L1", Level.DISK: "L2"}
-_POOL_NAMES = {Level.DEVICE: "device", Level.HOST: "host", Level.DISK: "disk (cold zone)"}
-_SETTING_TO_RAISE = {
-    Level.DEVICE: "max_gpu_memory_mb (or lower active_window)",
-    Level.HOST: "cpu_memory_gb",
-    Level.DISK: "cold_zone_gb",
-}
 Spans = tuple[tuple[int, int], ...]
 
 
@@ -42,6 +35,7 @@ class KVCapacity:
     capacity_blocks: dict[Level, int] = field(default_factory=dict)  # slots per level
     max_num_seqs: int = 1  # live sequences at once (each has a row for its newest, still-filling block)
     prefix_cache: PrefixCache | None = None  # the named blocks a new sequence may reuse
+    levels: tuple[LevelSpec, ...] = ()  # how messages name each level (empty: the built-in names)
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         """How many leading tokens of a new sequence the prefix cache holds (full blocks, never the last token):
@@ -59,11 +53,12 @@ class KVCapacity:
 
     @property
     def cold_zone_enabled(self) -> bool:
-        return Level.DISK in self.capacity_blocks
+        """Whether a level below L1 exists (the cold zone by default): L1 can give blocks to it."""
+        return any(level > Level.HOST for level in self.capacity_blocks)
 
     def footprint(self, num_tokens: int, pinned_spans: Iterable[tuple[int, int]] = ()) -> Footprint:
         if self.policy is None:
-            return Footprint(0, 0, 0)
+            return Footprint(())
         return self.policy.footprint(num_tokens, pinned_spans)
 
     def usage(self, loads: Iterable[SequenceLoad]) -> dict[Level, int]:
@@ -96,9 +91,16 @@ class KVCapacity:
             needed = fp.on(level) + (reserve or {}).get(level, 0)
             if needed > cap:
                 hint = " or set cold_zone_enabled=True" if level == Level.HOST and not self.cold_zone_enabled else ""
+                pool, setting = self._names(level)
                 return (
-                    f"the {_POOL_NAMES[level]} KV pool is full for this request: a sequence of {num_tokens} tokens "
-                    f"needs {needed} KV blocks on {TIER_NAMES[level]} but that level holds {cap}; send a shorter "
-                    f"request or raise {_SETTING_TO_RAISE[level]}{hint}"
+                    f"the {pool} KV pool is full for this request: a sequence of {num_tokens} "
+                    f"tokens needs {needed} KV blocks on {level_label(level)} but that level "
+                    f"holds {cap}; send a shorter request or raise {setting}{hint}"
                 )
         return None
+
+    def _names(self, level: int) -> tuple[str, str]:
+        """(pool name, setting to raise) of a level, from its spec (else the built-in names)."""
+        if level < len(self.levels):
+            return self.levels[level].pool_name, self.levels[level].capacity_setting
+        return BUILT_IN_NAMES[level]

@@ -16,6 +16,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
 from flashmemory.kvcache.manager.blocks import BlockEntry, Level
+from flashmemory.kvcache.manager.hierarchy import as_level, level_label
 
 HASH_BYTES = 16
 
@@ -38,15 +39,17 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, namespace: bytes, st
 class PrefixCache:
     """Owns the index of named blocks, the LRU of unused ones, and the hit / eviction counters."""
 
-    def __init__(self, block_size: int, namespace: bytes) -> None:
+    def __init__(self, block_size: int, namespace: bytes, num_levels: int = len(Level)) -> None:
         self.block_size = block_size
         self.namespace = namespace  # model fingerprint, precision per level, block size (see TieredKVCache)
+        self.levels = tuple(as_level(i) for i in range(num_levels))  # the hierarchy's, in order
         self.index: dict[int, BlockEntry] = {}
         self._unused: OrderedDict[int, BlockEntry] = OrderedDict()  # name -> block, least recently released first
         self.queried_tokens = 0
         self.hit_tokens = 0
-        self.hit_blocks = {level: 0 for level in Level}  # reused blocks by the level of their fastest copy
-        self.evicted_blocks = {level: 0 for level in Level}  # copies dropped to make room, by level
+        # Reused blocks by the level of their fastest copy; copies dropped to make room, by level.
+        self.hit_blocks = {level: 0 for level in self.levels}
+        self.evicted_blocks = {level: 0 for level in self.levels}
         self.lossy_refusals = 0  # matches cut short at a block whose L1 master was lost (see match)
         self.bad_blocks: Counter[str] = Counter()  # blocks dropped because a reuse could not read them, by reason
 
@@ -56,6 +59,11 @@ class PrefixCache:
     @property
     def num_unused(self) -> int:
         return len(self._unused)
+
+    @property
+    def hit_rate(self) -> float:
+        """Tokens found over tokens looked up, since the cache started."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
     def match(self, token_ids: Sequence[int], max_blocks: int | None = None, count: bool = True,
               needs_master: Callable[[int, int], bool] | None = None) -> list[BlockEntry]:
@@ -123,7 +131,7 @@ class PrefixCache:
 
     def unused_copies(self) -> dict[Level, int]:
         """Copies per level held by blocks nobody uses: slots that are cached, and free for the taking."""
-        out = {level: 0 for level in Level}
+        out = {level: 0 for level in self.levels}
         for entry in self._unused.values():
             for level in entry.slots:
                 out[level] += 1
@@ -158,7 +166,7 @@ class PrefixCache:
         out: dict[str, int | float] = {
             "prefix_cache_queries": self.queried_tokens,  # tokens looked up (vLLM's prefix_cache_queries)
             "prefix_cache_hits": self.hit_tokens,  # tokens found
-            "prefix_cache_hit_rate": self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0,
+            "prefix_cache_hit_rate": self.hit_rate,
             "prefix_cache_blocks": len(self.index),
             "prefix_cache_unused_blocks": len(self._unused),
             "prefix_cache_lossy_refusals": self.lossy_refusals,  # reuses cut short at a block only left lossy
@@ -166,7 +174,7 @@ class PrefixCache:
         }
         for reason, n in sorted(self.bad_blocks.items()):
             out[f"prefix_cache_bad_blocks_{reason}"] = n
-        for level in Level:
-            out[f"L{int(level)}_prefix_hit_blocks"] = self.hit_blocks[level]
-            out[f"L{int(level)}_prefix_evicted_blocks"] = self.evicted_blocks[level]
+        for level in self.levels:
+            out[f"{level_label(level)}_prefix_hit_blocks"] = self.hit_blocks[level]
+            out[f"{level_label(level)}_prefix_evicted_blocks"] = self.evicted_blocks[level]
         return out

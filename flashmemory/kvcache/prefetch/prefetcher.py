@@ -50,6 +50,7 @@ ADAPT_EVERY_LOOKUPS = 256  # segment lookups between two adaptive depth changes
 ADAPTIVE_TARGET_HIT_RATE = 0.97  # below it (and readers keeping up) the depth grows
 ADAPTIVE_SATURATED_HIT_RATE = 0.995  # above it the depth shrinks (fewer reads for the same hits)
 RETAIN_FACTOR = 2.0  # a staged segment stays while its block ranks within RETAIN_FACTOR x the wanted set
+RANKED_LEVELS = (1, 2)  # L1 (staged on the device) and L2 (read ahead); the levels below: on demand
 
 
 @dataclass
@@ -112,6 +113,8 @@ class Prefetcher:
 
     def on_choose(self, choice: LayerChoice) -> None:
         """A layer's choice during a decode step: kept (no copy, no work) until the step ends."""
+        if choice.level not in RANKED_LEVELS:  # a level below L2 is not read ahead: nothing to rank
+            return
         self._choices.setdefault((choice.seq_id, choice.level), []).append(choice)
 
     def on_step_abort(self, seq_id: int) -> None:
@@ -128,7 +131,7 @@ class Prefetcher:
         if stats is None:
             stats = self.stats_by_seq[seq_id] = AccessStats(self.num_layers, self.num_kv_heads)
         steps: dict[int, StepChoices] = {}
-        for level in (1, 2):
+        for level in RANKED_LEVELS:
             choices = self._choices.pop((seq_id, level), None)
             if choices:
                 steps[level] = StepChoices.stack(choices)

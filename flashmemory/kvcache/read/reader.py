@@ -18,6 +18,7 @@ import torch
 from flashmemory.kvcache.config import TieredCacheConfig
 from flashmemory.kvcache.levels.protocol import StorageLevel
 from flashmemory.kvcache.levels.tensor_pool import TensorPool
+from flashmemory.kvcache.kv_stats import SelectionStats
 from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
 from flashmemory.kvcache.quant import Codec, Parts
 from flashmemory.kvcache.read.choice import ChoiceObserver, LayerChoice
@@ -64,8 +65,10 @@ class BlockReader:
         self._read_through: dict[Level, ReadThrough] = {}
         self._per_head: dict[Level, PerHeadSource] = {}
         self.selection_kernel = selection_kernel  # None: the torch path (read/selection.py) chooses
-        self.selected_blocks = {Level.HOST: 0, Level.DISK: 0}  # summed over decode steps and layers
-        self.candidate_blocks = {Level.HOST: 0, Level.DISK: 0}
+        # Per level below L0 (the levels a decode step chooses among), summed over decode steps and
+        # layers.
+        self.selected_blocks = {level: 0 for level in levels if level != Level.DEVICE}
+        self.candidate_blocks = {level: 0 for level in levels if level != Level.DEVICE}
         self.selection_steps = 0  # decode steps that chose among old blocks (counted by the cache, at layer 0)
         self.selection_seconds = 0.0  # spent scoring and choosing, summed over steps, layers and levels
         self._devices = {level: (lvl.device if isinstance(lvl, TensorPool) else torch.device("cpu"))
@@ -110,8 +113,8 @@ class BlockReader:
         return block.primary
 
     def budget(self, level: Level, num_candidates: int) -> int:
-        """Blocks a decode step reads from a level: L1 a token budget, capped at a fraction of its blocks; L2 a
-        fraction of its blocks; either at least the floor."""
+        """Blocks a decode step reads from a level: L1 a token budget, capped at a fraction of its
+        blocks; each level below a fraction of its blocks; any at least the floor."""
         if level == Level.HOST:
             wanted = min(self.cfg.warm_budget_tokens // self.cfg.block_size,
                          int(self.cfg.warm_budget_fraction * num_candidates))  # at most: rounded down
@@ -228,26 +231,32 @@ class BlockReader:
             return source.read_layer(slots, layer, plan.seq_id, decoding)
         return self.levels[level].read_layer(slots, layer)
 
-    def selection_stats(self, digests: Iterable[torch.Tensor | None]) -> dict[str, int | float]:
-        """Query-aware selection: share of the old (L1 + L2) blocks read per decode step (and per level), its time,
-        and the digests' memory (`digests`: each live sequence's digest store)."""
+    def selection_stats(self, digests: Iterable[torch.Tensor | None]) -> SelectionStats:
+        """Query-aware selection: share of the old blocks (every level below L0) read per decode
+        step, its time, and the digests' memory (`digests`: each live sequence's digest store); per
+        level: `level_selection`."""
         candidates = sum(self.candidate_blocks.values())
         steps = self.selection_steps
         cfg = self.cfg
-        out: dict[str, int | float] = {
-            "selection_steps": steps,
-            "selection_old_read_fraction": sum(self.selected_blocks.values()) / candidates if candidates else 0.0,
-            "selection_ms_per_step": self.selection_seconds / steps * 1e3 if steps else 0.0,
+        selected = sum(self.selected_blocks.values())
+        return SelectionStats(
+            selection_steps=steps,
+            selection_old_read_fraction=selected / candidates if candidates else 0.0,
+            selection_ms_per_step=self.selection_seconds / steps * 1e3 if steps else 0.0,
             # centre and radius per channel, box, layer and KV head (DIGEST_DTYPE): per token of history, held now
-            "selection_digest_bytes_per_token": cfg.num_layers * cfg.num_kv_heads * 2 * cfg.head_dim
+            selection_digest_bytes_per_token=cfg.num_layers * cfg.num_kv_heads * 2 * cfg.head_dim
             * DIGEST_DTYPE.itemsize * cfg.digest_boxes / cfg.block_size,
-            "selection_digest_bytes": sum(d.numel() * d.element_size() for d in digests if d is not None),
-        }
-        for level in (Level.HOST, Level.DISK):
-            cand = self.candidate_blocks[level]
-            out[f"L{int(level)}_candidate_blocks"] = cand  # summed over decode steps, layers
-            out[f"L{int(level)}_selected_fraction"] = self.selected_blocks[level] / cand if cand else 0.0
-        return out
+            selection_digest_bytes=sum(d.numel() * d.element_size()
+                                       for d in digests if d is not None),
+        )
+
+    def level_selection(self, level: int) -> tuple[int, float] | None:
+        """(candidate blocks summed over decode steps and layers, the share attended) of a level
+        below L0; None for L0 (never chosen among)."""
+        if level not in self.candidate_blocks:
+            return None
+        cand = self.candidate_blocks[level]
+        return cand, self.selected_blocks[level] / cand if cand else 0.0
 
 
 def _index_tensor(plan: LevelPlan) -> torch.Tensor:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from flashmemory.kvcache.manager.blocks import Level
-
-LEVEL_NAMES = {Level.DEVICE: "L0 device", Level.HOST: "L1 host", Level.DISK: "L2 disk"}
+from flashmemory.kvcache.kv_stats import MediumCounters
+from flashmemory.kvcache.manager.blocks import level_label
 
 
 @dataclass(frozen=True)
@@ -64,17 +63,17 @@ def layout(level: str, capacity: int, used: set[int], bytes_per_slot: int, commi
     return PoolLayout(level, capacity, len(used), bytes_per_slot, runs, largest, holes, committed)
 
 
-def pool_layouts(cache) -> dict[Level, PoolLayout]:
+def pool_layouts(cache) -> dict[int, PoolLayout]:
     """Every level of a tiered cache, from its block tables (what holds each slot)."""
-    used: dict[Level, set[int]] = {level: set() for level in cache.levels}
+    used: dict[int, set[int]] = {level: set() for level in cache.levels}
     for table in cache.blocks.tables.values():
         for block in table.blocks:
             for level, slot in block.slots.items():
                 used[level].add(slot)
     out = {}
     for level, storage in cache.levels.items():
-        counters = storage.counters()
+        committed = MediumCounters.of(storage.counters()).bytes_committed or 0
         capacity = cache.blocks.allocators[level].num_slots
-        out[level] = layout(LEVEL_NAMES[level], capacity, used[level], storage.bytes_per_slot,
-                            int(counters.get("bytes_committed", 0)))
+        name = f"{level_label(level)} {cache.hierarchy[level].name}"
+        out[level] = layout(name, capacity, used[level], storage.bytes_per_slot, committed)
     return out

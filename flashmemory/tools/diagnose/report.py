@@ -10,14 +10,19 @@ from typing import Any
 import torch
 
 from flashmemory.kvcache.config import KV_DTYPE
-from flashmemory.kvcache.manager.blocks import Level
+from flashmemory.kvcache.kv_stats import KVStats
+from flashmemory.kvcache.manager.blocks import Level, level_label
 from flashmemory.tools.diagnose.pools import PoolLayout
 from flashmemory.tools.diagnose.timers import PHASES, phases_of
 from flashmemory.tools.diagnose.workload import Measurement
 
 MIB = 2**20
 SCHEMA = "flashmemory-diagnose/1"
-ROUTES = ("new->L0", "new->L1", "L0->L1", "L1->L2", "L1->L0")
+ROUTES = ("new->L0", "new->L1", "L0->L1", "L1->L2", "L1->L0")  # reported first, then the others
+# What each level's stage holds, by the level's name (LevelStats.name); another level shows its
+# name.
+STAGE_CONTENTS = {"device": "INT4 window, sinks; FP16 rows of newest tokens",
+                  "host": "FP16 master copies", "disk": "INT2 cold file"}
 
 
 @dataclass(frozen=True)
@@ -100,22 +105,33 @@ def _mib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / MIB:.1f} MiB"
 
 
-def _delta(after: dict, before: dict, key: str) -> float:
-    return float(after.get(key, 0)) - float(before.get(key, 0))
+def _moved(stats: KVStats) -> dict[str, int]:
+    return {m.route: m.bytes for m in stats.moves}
+
+
+def _bytes_read(stats: KVStats) -> dict[str, int]:
+    """Bytes read back from each level whose medium counts them (a file), by label."""
+    return {lv.label: lv.medium.bytes_read for lv in stats.levels
+            if lv.medium.bytes_read is not None}
 
 
 def _traffic(m: Measurement, cache, prefill_s: float, decode_s: float) -> dict[str, Any]:
-    """Bytes moved between levels per second in each phase, L2 reads, and what attention read per decode step."""
+    """Bytes moved between levels per second in each phase, reads of files, and what attention read
+    per decode step."""
     out: dict[str, Any] = {"prefill": {}, "decode": {}}
     for phase, before, after, seconds in (("prefill", m.stats_before, m.stats_after_prefill, prefill_s),
                                           ("decode", m.stats_after_prefill, m.stats_end, decode_s)):
-        for route in ROUTES:
-            moved = _delta(after, before, f"bytes_moved_{route}")
+        moved_before, moved_after = _moved(before), _moved(after)
+        for route in [*ROUTES, *(r for r in moved_after if r not in ROUTES)]:
+            moved = moved_after.get(route, 0) - moved_before.get(route, 0)
             if moved:
                 out[phase][route] = {"bytes": int(moved), "bytes_per_s": moved / seconds if seconds else 0.0}
-        l2 = _delta(after, before, "L2_bytes_read")
-        if l2:
-            out[phase]["L2 read"] = {"bytes": int(l2), "bytes_per_s": l2 / seconds if seconds else 0.0}
+        read_before = _bytes_read(before)
+        for label, n in _bytes_read(after).items():
+            read = n - read_before.get(label, 0)
+            if read:
+                out[phase][f"{label} read"] = {"bytes": int(read),
+                                               "bytes_per_s": read / seconds if seconds else 0.0}
     steps = max(1, m.num_decode_tokens - 1)
     reads = {}
     if hasattr(cache, "levels"):
@@ -123,11 +139,10 @@ def _traffic(m: Measurement, cache, prefill_s: float, decode_s: float) -> dict[s
             storage = cache.levels.get(level)
             if storage is None:
                 continue
-            per_head = getattr(storage, "record_bytes", None) if level != Level.DISK else None
-            if per_head is None:  # the disk level stores a layer's heads in one segment
-                per_head = storage.segment_bytes // cache.cfg.num_kv_heads
+            per_head = storage.segment_bytes // cache.cfg.num_kv_heads  # a layer, block and head
             count -= m.row_reads_decode if level == Level.DEVICE else 0  # the rows are FP16: apart, below
-            reads[f"L{int(level)}"] = {"blocks_per_step": count / steps, "bytes_per_step": count * per_head / steps}
+            reads[level_label(level)] = {"blocks_per_step": count / steps,
+                                         "bytes_per_step": count * per_head / steps}
         if m.row_reads_decode:
             # K and V of one block and KV head in FP16, as the row holds them (kvcache/recent_rows.py)
             per_head = 2 * cache.cfg.block_size * cache.cfg.head_dim * KV_DTYPE.itemsize
@@ -146,22 +161,24 @@ def _stages(engine, m: Measurement, activation_peak: int | None) -> list[Stage]:
                  None, f"measured peak during the run (start-up estimate {_mib(workspace)})"
                  if activation_peak is not None else "estimated from the shapes (engine/sizing.py): on a CPU the "
                  "process's RSS mixes activations with L1 pages, so it is not measured")]
-    if "L0_bytes" in s:
-        out.append(Stage("KV L0 (INT4 window, sinks; FP16 rows of newest tokens)", "device", int(s["L0_bytes"]),
-                         int(s["L0_bytes_capacity"]), "at the run's end"))
-        if "device_staging_bytes" in s:
-            out.append(Stage("L1 blocks staged on the device", "device", int(s["device_staging_bytes"]),
-                             int(s["device_staging_capacity_bytes"])))
-        out.append(Stage("KV L1 (FP16 master copies)", "host", int(s.get("L1_bytes", 0)),
-                         int(s.get("L1_bytes_capacity", 0))))
-        if "prefetch_staged_bytes" in s:
-            out.append(Stage("L2 blocks prefetched into host memory", "host", int(s["prefetch_staged_bytes"]),
-                             int(engine.config.prefetch_budget_mb * MIB)))
-        if "L2_bytes" in s:
-            out.append(Stage("KV L2 (INT2 cold file)", "disk", int(s["L2_bytes"]), int(s["L2_bytes_capacity"]),
-                             f"the sparse file holds {s.get('L2_bytes_committed', 0) / MIB:.1f} MiB on disk"))
+    if s.contiguous is None:
+        for lv in s.levels:
+            name = f"KV {lv.label} ({STAGE_CONTENTS.get(lv.name, lv.name)})"
+            on_disk = (lv.medium.bytes_committed or 0) / MIB
+            note = ("at the run's end" if lv.level == Level.DEVICE
+                    else f"the sparse file holds {on_disk:.1f} MiB on disk" if lv.name == "disk"
+                    else "")
+            out.append(Stage(name, lv.name, lv.bytes, lv.bytes_capacity, note))
+            if lv.level == Level.DEVICE and s.staging is not None:
+                out.append(Stage("L1 blocks staged on the device", "device",
+                                 s.staging.device_staging_bytes,
+                                 s.staging.device_staging_capacity_bytes))
+            if lv.level == Level.HOST and s.prefetch is not None:
+                out.append(Stage("L2 blocks prefetched into host memory", "host",
+                                 s.prefetch.prefetch_staged_bytes,
+                                 int(engine.config.prefetch_budget_mb * MIB)))
     else:
-        out.append(Stage("KV (contiguous)", "device", int(s.get("kv_bytes_used", 0))))
+        out.append(Stage("KV (contiguous)", "device", s.contiguous.kv_bytes_used))
     out.append(Stage("gradients", "device", None, note="n/a: inference only (the seed's fourth pathway)"))
     return out
 
@@ -174,19 +191,24 @@ def build_report(engine, m: Measurement, disk: dict[str, Any], bandwidth: dict[s
     prefill_s, decode_s = m.seconds("prefill"), m.seconds("decode")
     pools = {layout.level: layout for layout in m.pools.values()}
     traffic = _traffic(m, cache, prefill_s, decode_s)
-    selection = {f"L{i}_selected_fraction": s[f"L{i}_selected_fraction"] for i in (1, 2)
-                 if s.get(f"L{i}_candidate_blocks")}
+    selection: dict[str, float | None] = {f"{lv.label}_selected_fraction": lv.selected_fraction
+                                          for lv in s.levels if lv.candidate_blocks}
     reads = m.reads_decode
     total_reads = sum(reads.values())
     l0_share = reads.get(Level.DEVICE, 0) / total_reads if total_reads else None
     selection["L0_read_share"] = l0_share
     prefetch: dict[str, Any] = {"strategy": cfg.prefetch_strategy}
-    if "prefetch_hits" in s:
-        prefetch.update({k: s[k] for k in ("prefetch_hit_rate", "prefetch_hits", "prefetch_misses",
-                                           "prefetch_late_misses", "prefetch_issued", "prefetch_wasted_bytes")})
-    if "device_staging_hits" in s:
-        staged = s["device_staging_hits"] + s["device_staging_misses"]
-        prefetch["device_staging_hit_rate"] = s["device_staging_hits"] / staged if staged else 0.0
+    if s.prefetch is not None:
+        pf = s.prefetch
+        prefetch.update(prefetch_hit_rate=pf.prefetch_hit_rate, prefetch_hits=pf.prefetch_hits,
+                        prefetch_misses=pf.prefetch_misses,
+                        prefetch_late_misses=pf.prefetch_late_misses,
+                        prefetch_issued=pf.prefetch_issued,
+                        prefetch_wasted_bytes=pf.prefetch_wasted_bytes)
+    if s.staging is not None:
+        staged = s.staging.device_staging_hits + s.staging.device_staging_misses
+        hits = s.staging.device_staging_hits
+        prefetch["device_staging_hit_rate"] = hits / staged if staged else 0.0
     figures = _figures(engine, m, time, pools, traffic, l0_share)
     settings = {name: getattr(cfg, name) for name in cfg.kv_field_names()}
     settings.update(dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
@@ -215,9 +237,10 @@ def _figures(engine, m: Measurement, time: dict[str, StepTime], pools: dict[str,
         f["decode_l2_read_share"] = decode.part_share("l2_read")
     if "prefill" in time:
         f["prefill_ms_per_step"] = time["prefill"].ms_per_step
-    if "L0_bytes_capacity" in s:
-        f["l0_capacity_mib"] = s["L0_bytes_capacity"] / MIB
-        f["l0_used_mib"] = s["L0_bytes"] / MIB
+    l0_stats = s.level("L0")
+    if l0_stats is not None:
+        f["l0_capacity_mib"] = l0_stats.bytes_capacity / MIB
+        f["l0_used_mib"] = l0_stats.bytes / MIB
         l0 = next((p for p in pools.values() if p.level.startswith("L0")), None)
         if l0 is not None:
             f["l0_peak_slots"] = m.peak_l0_slots
@@ -225,9 +248,8 @@ def _figures(engine, m: Measurement, time: dict[str, StepTime], pools: dict[str,
             f["l0_peak_use"] = m.peak_l0_slots / l0.capacity_slots if l0.capacity_slots else 0.0
     if engine.device_plan is not None:
         f["workspace_estimate_mib"] = engine.device_plan.workspace_bytes / MIB
-    for level in (1, 2):
-        if f"L{level}_bytes" in s:
-            f[f"l{level}_used_mib"] = s[f"L{level}_bytes"] / MIB
+    for lv in s.levels[1:]:
+        f[f"{lv.label.lower()}_used_mib"] = lv.bytes / MIB
     reads = traffic["decode"].get("L2 read")
     f["decode_l2_read_mib_per_step"] = (reads["bytes"] / MIB / max(1, m.num_decode_tokens - 1)) if reads else 0.0
     if l0_share is not None:

@@ -53,8 +53,8 @@ def render(report: DiagnoseReport, with_advice: bool) -> str:
         lines.append(f"  cold zone disk: {d.get('summary', 'n/a')}")
     sel = report.selection
     lines += ["", "Selection and prefetch"]
-    parts = [f"L{i} {sel[f'L{i}_selected_fraction']:.1%} of candidate blocks" for i in (1, 2)
-             if f"L{i}_selected_fraction" in sel]
+    parts = [f"{key.removesuffix('_selected_fraction')} {value:.1%} of candidate blocks"
+             for key, value in sel.items() if key.endswith("_selected_fraction")]
     lines.append("  selected per decode step: " + (", ".join(parts) if parts else "nothing to select (all in L0)"))
     if sel.get("L0_read_share") is not None:
         lines.append(f"  L0 served {sel['L0_read_share']:.1%} of the blocks decode steps read")

@@ -13,6 +13,7 @@ from flashmemory.engine.request import SequenceRequest
 from flashmemory.engine.sampling import SamplingParams
 from flashmemory.errors import ConfigError
 from flashmemory.kvcache.device_budget import read_counter
+from flashmemory.kvcache.kv_stats import KVStats
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.tools.diagnose.pools import PoolLayout, pool_layouts
 from flashmemory.tools.diagnose.timers import PhaseClock, instrument, timer_cost_s
@@ -63,9 +64,9 @@ class Measurement:
     num_prompt_tokens: int
     num_decode_tokens: int
     steps: list[StepRecord]
-    stats_before: dict[str, float]  # cache.stats() before the run
-    stats_after_prefill: dict[str, float]  # after the last prefill step
-    stats_end: dict[str, float]  # just before the sequence was freed
+    stats_before: KVStats  # cache.kv_stats() before the run
+    stats_after_prefill: KVStats  # after the last prefill step
+    stats_end: KVStats  # just before the sequence was freed
     pools: dict[Level, PoolLayout]  # every level's slots just before the sequence was freed
     peak_l0_slots: int  # most L0 slots in use after any step
     reads_decode: dict[Level, int]  # blocks (per KV head) decode steps read from each level
@@ -101,13 +102,13 @@ def run_workload(engine, ids: list[int], decode_tokens: int) -> Measurement:
     free = cache.free_sequence
 
     def snapshot_then_free(seq_id: int) -> None:
-        end_state["stats"] = dict(cache.stats())
+        end_state["stats"] = cache.kv_stats()
         end_state["pools"] = pool_layouts(cache) if tiered else {}
         end_state["reads"] = dict(counter.reads) if counter else {}
         end_state["row_reads"] = counter.row_reads if counter else 0
         free(seq_id)
 
-    stats_before = dict(cache.stats())
+    stats_before = cache.kv_stats()
     stats_after_prefill = stats_before
     steps: list[StepRecord] = []
     peak = 0
@@ -128,7 +129,7 @@ def run_workload(engine, ids: list[int], decode_tokens: int) -> Measurement:
                 if tiered:
                     peak = max(peak, cache.blocks.allocators[Level.DEVICE].num_used)
                 if kind == "prefill" and "stats" not in end_state:
-                    stats_after_prefill = dict(cache.stats())
+                    stats_after_prefill = cache.kv_stats()
     finally:
         del cache.free_sequence
         if tiered:
@@ -139,6 +140,7 @@ def run_workload(engine, ids: list[int], decode_tokens: int) -> Measurement:
     reads_end = end_state.get("reads", {})
     reads = {level: reads_end.get(level, 0) - reads_before.get(level, 0) for level in reads_end}
     return Measurement(len(ids), decode_tokens, steps, stats_before, stats_after_prefill,
-                       end_state.get("stats", dict(cache.stats())), end_state.get("pools", {}), peak, reads,
+                       end_state.get("stats") or cache.kv_stats(), end_state.get("pools", {}),
+                       peak, reads,
                        clock.events, cost, [o.token_id for o in outputs if o.token_id is not None],
                        end_state.get("row_reads", row_reads_before) - row_reads_before)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from flashmemory.kvcache.manager.blocks import Level
+from flashmemory.kvcache.manager.blocks import Level, level_label
 from flashmemory.kvcache.tiered import TieredKVCache
 
 
@@ -38,11 +38,13 @@ def check_accounting(cache: TieredKVCache) -> Accounting:
     for level, allocator in cache.blocks.allocators.items():
         shared = [slot for slot, n in held[level].items() if n > 1]
         if shared:
-            out.problems.append(f"L{int(level)} slots {shared[:8]} are held by more than one block")
+            out.problems.append(f"{level_label(level)} slots {shared[:8]} are held by more than "
+                                "one block")
         used, holding = allocator.num_used, len(held[level])
         if used != holding:
             out.leaked_slots += abs(used - holding)
-            out.problems.append(f"L{int(level)}: the allocator has {used} slots in use, the block tables hold {holding}")
+            out.problems.append(f"{level_label(level)}: the allocator has {used} slots in use, "
+                                f"the block tables hold {holding}")
     return out
 
 

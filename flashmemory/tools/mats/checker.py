@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from flashmemory.kvcache.manager.blocks import Level
+from flashmemory.kvcache.manager.blocks import Level, level_label
 from flashmemory.kvcache.quant import Codec, Parts
 from flashmemory.kvcache.tiered import TieredKVCache
 from flashmemory.tools.mats.bounds import kv_error_bound
@@ -18,8 +18,8 @@ from flashmemory.tools.mats.report import ErrorLog, LevelTally
 from flashmemory.tools.mats.shadow import ShadowSequence
 
 
-def level_name(level: Level) -> str:
-    return f"L{int(level)}"
+def level_name(level: int) -> str:
+    return level_label(level)
 
 
 class ShadowChecker:

@@ -29,6 +29,7 @@ import torch
 
 from flashmemory.errors import ColdBlockError, ColdZoneFullError, ColdZoneWriteError
 from flashmemory.kvcache.config import TieredCacheConfig
+from flashmemory.kvcache.kv_stats import KVStats
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.tiered import TieredKVCache
 from flashmemory.model.default_model import default_model_path
@@ -60,11 +61,12 @@ DRAIN_TIMEOUT_S = 2.0  # staging must be empty this soon after every sequence is
 WEIGHTS = {**BASE_WEIGHTS, "prefill": 15, "decode": 40, "read": 10, "demote": 2, "promote": 3, "free": 1, "abort": 1,
            "prefetch_read": 8, "staging_gather": 6, "arm_flip": 1.5, "arm_write_error": 0.3, "truncate": 0.1,
            "delete": 0.03}
+# What the report counts after each round, read from the cache's typed stats (kvcache/kv_stats.py).
 PREFETCH_COUNTERS = ("prefetch_issued", "prefetch_completed", "prefetch_hits", "prefetch_misses",
-                     "prefetch_late_misses", "prefetch_dropped_races", "device_staging_issued", "device_staging_hits",
-                     "device_staging_misses", "L2_load_failures_checksum", "L2_load_failures_truncated",
-                     "L2_load_failures_missing", "L2_load_failures_header", "L2_write_failures_full",
-                     "L2_write_failures_io")
+                     "prefetch_late_misses", "prefetch_dropped_races")
+STAGING_COUNTERS = ("device_staging_issued", "device_staging_hits", "device_staging_misses")
+DISK_COUNTERS = ("load_failures_checksum", "load_failures_truncated", "load_failures_missing",
+                 "load_failures_header", "write_failures_full", "write_failures_io")  # L2's
 
 
 @dataclass(frozen=True)
@@ -201,8 +203,7 @@ class Round:
             self.driver.free_all()
             check_empty(self.cache, self.errors, self.counters)
             self._check_drained()
-            stats = self.cache.stats()
-            self.counters.update({key: int(stats.get(key, 0)) for key in PREFETCH_COUNTERS})
+            self.counters.update(round_counters(self.cache.kv_stats()))
         finally:
             self.cache.close()
             self.counters["slow_reads"] += self.io.slow_reads
@@ -352,3 +353,16 @@ def _quiet_build(config: TieredCacheConfig) -> TieredKVCache:
         return TieredKVCache(config)
     finally:
         log.setLevel(level)
+
+
+def round_counters(stats: KVStats) -> dict[str, int]:
+    """The prefetcher's, device staging's and L2 medium's counters a round reports (0 for a part
+    not run)."""
+    cold = stats.level("L2")
+    out = {key: int(getattr(stats.prefetch, key)) if stats.prefetch else 0
+           for key in PREFETCH_COUNTERS}
+    out.update({key: int(getattr(stats.staging, key)) if stats.staging else 0
+                for key in STAGING_COUNTERS})
+    out.update({f"L2_{key}": int(getattr(cold.medium, key) or 0) if cold else 0
+                for key in DISK_COUNTERS})
+    return out

@@ -188,8 +188,8 @@ def _drive(engine, kind: str, ids: list[list[int]], expected: list[list[int]], t
 
 
 def _blocks_held(engine) -> int:
-    stats = engine.stats()
-    return len(engine.cache.sequence_ids()) + sum(int(stats.get(f"L{int(lv)}_blocks", 0)) for lv in Level)
+    held = sum(lv.blocks for lv in engine.cache.kv_stats().levels)
+    return len(engine.cache.sequence_ids()) + held
 
 
 def _greedy_ids(engine, prompts: list[list[int]]) -> list[list[int]]:

@@ -153,13 +153,13 @@ def _run_round(cache_config: TieredCacheConfig, generator: torch.Generator, roun
             progress.update(sum(v for k, v in counters.items() if k.startswith("op_")), errors.count)
         driver.free_all()
         check_empty(cache, errors, counters)
-        moved = cache.stats()
+        moved = {move.route: move.bytes for move in cache.kv_stats().moves}
     finally:
         cache.close()
     stats = Counter(rounds=1, errors=errors.count - errors_before, exact=counters["attention_checks_exact"] - exact_before,
                     ops=sum(v for k, v in counters.items() if k.startswith("op_")) - ops_before)
-    stats["L0->L1"] = moved.get("bytes_moved_L0->L1", 0)
-    stats["L1->L2"] = moved.get("bytes_moved_L1->L2", 0)
+    stats["L0->L1"] = moved.get("L0->L1", 0)
+    stats["L1->L2"] = moved.get("L1->L2", 0)
     return stats, driver.worst_attention_error
 
 

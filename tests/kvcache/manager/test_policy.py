@@ -55,6 +55,35 @@ def test_footprint_equals_the_rule_applied_to_every_block(seed):
         assert (fp.device_blocks, fp.host_blocks, fp.disk_blocks) == _counted(policy, tokens, spans)
 
 
+def test_blocks_move_on_down_a_hierarchy_of_any_length():
+    # L2 keeps a block 2 blocks long, L3 one, L4 the rest.
+    p = PlacementPolicy(16, active_window_tokens=32, warm_tokens=32, num_sink_blocks=1,
+                        cold_zone_enabled=True, keep_tokens=(32, 16))
+    assert [sorted(int(lv) for lv in p.levels_for(age, False)) for age in range(9)] == [
+        [0, 1], [0, 1], [1], [1], [2], [2], [3], [4], [4]]
+    assert p.levels_for(100, pinned=True) == {Level.DEVICE, Level.HOST} and p.num_levels == 5
+    assert p.keeps_master(9, 10) and not p.keeps_master(5, 10)
+    assert p.keeps_master(0, 10)  # a sink keeps it
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_footprint_equals_the_rule_over_levels_added_below_the_cold_zone(seed):
+    rng = random.Random(seed)
+    base = _policy(rng, cold=True)
+    keeps = tuple(rng.choice([0, 8, 16, 40]) for _ in range(rng.randint(1, 3)))
+    policy = PlacementPolicy(base.block_size, base.active_window_tokens, base.warm_tokens,
+                             base.num_sink_blocks, True, keeps)
+    for _ in range(30):
+        tokens = rng.randint(0, 600)
+        spans = [(a, a + rng.randint(1, 40)) for a in rng.sample(range(600), rng.randint(0, 3))]
+        n = tokens // policy.block_size
+        counted = [0] * policy.num_levels
+        for i in range(n):
+            for level in policy.levels_for(n - 1 - i, policy.is_pinned(i, spans)):
+                counted[level] += 1
+        assert list(policy.footprint(tokens, spans).blocks) == counted
+
+
 class _Mover:
     """A torch-free stand-in for the cache's placement: slots only, no bytes, the same rule."""
 
