@@ -7,6 +7,7 @@ output is the same bits as DecodeState's calls over the same key sets in the sam
 from __future__ import annotations
 
 import ctypes
+from array import array
 
 import torch
 
@@ -84,12 +85,12 @@ class DecodeBatchCall:
         batch, num_heads, head_dim = q.shape
         assert q.dtype == torch.float32 and batch == len(self.starts) - 1
         q = q.contiguous()
-        sources = torch.tensor(self.fields, dtype=torch.int64)
-        starts = torch.tensor(self.starts, dtype=torch.int64)
+        # int64 arrays: a few microseconds less per layer than tensors made from the lists
+        sources, starts = array("q", self.fields), array("q", self.starts)
         out = torch.empty((batch, num_heads, head_dim), dtype=torch.float32)
         group = num_heads // self.heads
         rc = self.lib.fm_attend_batch(q.data_ptr(), head_dim**-0.5, batch, self.heads, group,
-                                      head_dim, sources.data_ptr(), starts.data_ptr(),
+                                      head_dim, sources.buffer_info()[0], starts.buffer_info()[0],
                                       torch.get_num_threads(), out.data_ptr())
         if rc == -2:
             raise MemoryError("no memory for the decode kernel's scratch states")

@@ -45,6 +45,7 @@ typedef struct {
     float *partial;            /* lane states of the records sources, [lanes - 1][H][G][D + 2] */
     const int64_t *lanes;      /* per source: 1 for dense ones */
     const int64_t *partial_at; /* per source: its first lane state's index in `partial` */
+    int64_t lane_work;         /* phase 0's lane items (one per lane state and KV head) */
 } fm_batch;
 
 static int64_t lanes_of(const fm_source *s, int64_t num_threads) {
@@ -125,6 +126,22 @@ static void run_segment(const fm_batch *bt, int64_t b, int64_t h, int64_t phase)
     }
 }
 
+/* Item `it` of phase 0: a lane state (fresh, then its chunks of one KV head), or, after the
+ * lane_work of them, segment 0 of a (sequence, KV head) chain. */
+static void phase_zero(const fm_batch *bt, const int64_t *lane_items, int64_t it) {
+    const int64_t H = bt->H, G = bt->G, D = bt->D;
+    if (it >= bt->lane_work) {
+        run_segment(bt, (it - bt->lane_work) / H, (it - bt->lane_work) % H, 0);
+        return;
+    }
+    const int64_t k = it / H, h = it % H, i = lane_items[2 * k], j = lane_items[2 * k + 1];
+    int64_t b = 0;
+    while (bt->seq_start[b + 1] <= i) b++;
+    float *state_h = bt->partial + (bt->partial_at[i] + j - 1) * H * G * (D + 2) + h * G * (D + 2);
+    init_state(state_h, G, D);
+    fold_lane(bt, bt->q + (b * H + h) * G * D, &bt->sources[i], h, j, bt->lanes[i], state_h);
+}
+
 static int source_ok(const fm_source *s) {
     if (s->kind == FM_SOURCE_DENSE || s->kind == FM_SOURCE_DENSE_F16) return s->m >= 0;
     return s->kind == FM_SOURCE_RECORDS && s->bs <= FM_MAX_TOKENS && s->n >= 0 &&
@@ -141,14 +158,20 @@ int fm_attend_batch(const float *q, float scale, int64_t B, int64_t H, int64_t G
     if (D > FM_MAX_DIM || D % 8 || G > FM_MAX_GROUP || G < 1 || B < 0) return -1;
     const int64_t num_sources = seq_start[B], size = H * G * (D + 2);
     int64_t max_records = 0, num_lane_states = 0;
+    int dense_last = 0; /* a dense source after a records source (in any sequence) */
     for (int64_t b = 0; b < B; b++) {
         int64_t records = 0;
         for (int64_t i = seq_start[b]; i < seq_start[b + 1]; i++) {
             if (!source_ok(&sources[i])) return -1;
             records += sources[i].kind == FM_SOURCE_RECORDS;
+            dense_last |= records > 0 && sources[i].kind != FM_SOURCE_RECORDS;
         }
         max_records = records > max_records ? records : max_records;
     }
+    /* Phases run by the threads: 0 .. parallel_phases - 1. When the last phase only merges lanes
+     * (the usual step: no dense source after the last records source), this thread runs it after
+     * the others are done: a barrier fewer (a wake-up each, with OMP_WAIT_POLICY=PASSIVE). */
+    const int64_t parallel_phases = dense_last || max_records == 0 ? max_records + 1 : max_records;
     int64_t *lanes = malloc(sizeof(int64_t) * (size_t)(2 * num_sources + 1));
     float *qs = malloc(sizeof(float) * (size_t)(B * H * G * D + 1));
     float *states = malloc(sizeof(float) * (size_t)(B * size + 1));
@@ -178,33 +201,37 @@ int fm_attend_batch(const float *q, float scale, int64_t B, int64_t H, int64_t G
             lane_items[2 * k + 1] = j;
         }
     }
+    const int64_t lane_work = num_lane_states * H;
     for (int64_t e = 0; e < B * H * G * D; e++) qs[e] = q[e] * scale;
     init_state(states, B * H * G, D);
-    const fm_batch bt = {H, G, D, sources, seq_start, qs, states, partial, lanes, partial_at};
-    const int64_t chains = B * H, lane_work = num_lane_states * H;
+    const fm_batch bt = {H, G, D, sources, seq_start, qs, states, partial, lanes, partial_at,
+                         lane_work};
+    const int64_t chains = B * H;
     int threads = num_threads;
     if (threads > chains + lane_work) threads = (int)(chains + lane_work);
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
+        /* the end of the region is a barrier: the last phase inside it needs none of its own */
+        if (parallel_phases > 1) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < lane_work + chains; it++) {
-            if (it < lane_work) { /* a lane state: fresh, then its chunks of one KV head */
-                const int64_t k = it / H, h = it % H;
-                const int64_t i = lane_items[2 * k], j = lane_items[2 * k + 1];
-                int64_t b = 0;
-                while (seq_start[b + 1] <= i) b++;
-                float *state_h = partial + (partial_at[i] + j - 1) * size + h * G * (D + 2);
-                init_state(state_h, G, D);
-                fold_lane(&bt, qs + (b * H + h) * G * D, &sources[i], h, j, lanes[i], state_h);
-            } else {
-                run_segment(&bt, (it - lane_work) / H, (it - lane_work) % H, 0);
-            }
+            for (int64_t it = 0; it < lane_work + chains; it++) phase_zero(&bt, lane_items, it);
+        } else {
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t it = 0; it < lane_work + chains; it++) phase_zero(&bt, lane_items, it);
         }
-        for (int64_t phase = 1; phase <= max_records; phase++) {
+        for (int64_t phase = 1; phase < parallel_phases - 1; phase++) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < chains; it++) run_segment(&bt, it / H, it % H, phase);
         }
+        if (parallel_phases > 1) {
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t it = 0; it < chains; it++)
+                run_segment(&bt, it / H, it % H, parallel_phases - 1);
+        }
+    }
+    for (int64_t phase = parallel_phases; phase <= max_records; phase++) {
+        for (int64_t it = 0; it < chains; it++) run_segment(&bt, it / H, it % H, phase);
     }
     for (int64_t r = 0; r < B * H * G; r++) { /* out = acc / l, as fm_decode_end */
         const float *row = states + r * (D + 2);
