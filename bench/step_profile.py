@@ -3,7 +3,8 @@ reads it needs), selection (Quest block scoring and the read plan) and glue (eve
 SwiGLU, residuals, Python), median ms over teacher-forced steps at one context length.
 
 Timers wrap functions at call time (torch.nn.functional.linear, QuantizedLinear.forward where it exists, the
-tiered cache's reader.choose / reader.plan and attention.decode), so the script runs unchanged on older
+tiered cache's reader.choose_batch / reader.plan and attention.decode_batch, or the
+per-sequence choose and decode of older checkouts), so the script runs unchanged on older
 checkouts (PYTHONPATH=that checkout) for a before/after comparison.
 
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. .venv/bin/python bench/step_profile.py --context 8100 --threads 2
@@ -80,9 +81,14 @@ def main() -> int:
         pass
     cache = engine.cache
     if hasattr(cache, "reader"):
-        cache.reader.choose = timers.wrap("selection", cache.reader.choose)
-        cache.reader.plan = timers.wrap("selection", cache.reader.plan)
-        cache.attention.decode = timers.wrap("attention", cache.attention.decode)
+        # choose / decode: the per-sequence calls of checkouts before the batch attention call
+        for name in ("choose_batch", "choose", "plan"):
+            if hasattr(cache.reader, name):
+                setattr(cache.reader, name, timers.wrap("selection", getattr(cache.reader, name)))
+        for name in ("decode_batch", "decode"):
+            if hasattr(cache.attention, name):
+                wrapped = timers.wrap("attention", getattr(cache.attention, name))
+                setattr(cache.attention, name, wrapped)
         # Inside attention: reads that are not folded from records in place (the disk level's blocks: read from
         # the file, decoded to float32, then folded), reported as a part of attention, not beside it.
         cache.reader.gather = timers.wrap(NESTED, cache.reader.gather)

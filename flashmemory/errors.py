@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class FlashMemoryError(Exception):
     """Base class of every error FlashMemory raises on purpose."""
@@ -93,3 +96,13 @@ def blame_sequence(error: Exception, seq_id: int) -> None:
             error.seq_id = seq_id  # type: ignore[attr-defined]
         except AttributeError:  # an exception type that takes no attributes: the engine fails the whole step
             pass
+
+
+@contextmanager
+def serving_sequence(seq_id: int) -> Iterator[None]:
+    """Blame what the block raises on sequence `seq_id` (one sequence's work in a batch's call)."""
+    try:
+        yield
+    except Exception as e:
+        blame_sequence(e, seq_id)
+        raise

@@ -50,8 +50,10 @@ def _compile(compiler: str, flags: Sequence[str], sources: Sequence[Path], targe
         os.replace(built, target)  # atomic: concurrent processes never load a half-written library
 
 
-def build_library(name: str, sources: Sequence[Path], flags: Sequence[str], what: str) -> ctypes.CDLL | None:
-    """The compiled library `name`, or None (with one log line naming `what` falls back) when it cannot be used."""
+def build_library(name: str, sources: Sequence[Path], flags: Sequence[str], what: str,
+                  headers: Sequence[Path] = ()) -> ctypes.CDLL | None:
+    """The compiled library `name`, or None (with one log line naming `what` falls back) when it
+    cannot be used. `headers`: files the sources include (not compiled; in the cache key)."""
     if native_disabled():
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -61,7 +63,8 @@ def build_library(name: str, sources: Sequence[Path], flags: Sequence[str], what
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         key = hashlib.sha256(
-            b"".join(s.read_bytes() for s in sources) + " ".join(flags).encode() + version.encode()
+            b"".join(s.read_bytes() for s in (*sources, *headers)) + " ".join(flags).encode()
+            + version.encode()
             + _cpu_fingerprint().encode()
         ).hexdigest()[:16]
         target = _cache_dir() / f"{name}-{key}.so"

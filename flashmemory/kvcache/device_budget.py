@@ -19,7 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from flashmemory.kvcache.attention.backend import AttentionBackend, LevelRead
+import torch
+
+from flashmemory.kvcache.attention.backend import AttentionBackend, DecodeBatch, LevelRead
 from flashmemory.kvcache.levels.device_arena import DeviceArena
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.manager.slot_limit import LimitedSlotAllocator
@@ -52,17 +54,18 @@ class ReadCounter:
         self.reads = {level: 0 for level in levels}  # per level of the cache
         self.row_reads = 0  # of reads[Level.DEVICE]: blocks attended from the FP16 rows
 
-    def decode(self, layer, q, filling, new_k, new_v, reads: list[LevelRead], reader):
-        heads = new_k.shape[0]
-        for r in reads:
-            self.reads[r.level] += r.chosen.numel() if r.chosen is not None else len(r.plan.indices) * heads
-        # filling: [2, heads, m, head_dim] (sinks, recent blocks, filling block) plus new_k's tokens: whole blocks
-        # and the partial one, each read by every head.
-        row_tokens = filling.shape[2] + new_k.shape[1]
-        row_blocks = -(-row_tokens // reader.cfg.block_size) * heads
-        self.reads[Level.DEVICE] += row_blocks
-        self.row_reads += row_blocks
-        return self.inner.decode(layer, q, filling, new_k, new_v, reads, reader)
+    def decode_batch(self, batch: DecodeBatch, reader) -> torch.Tensor:
+        for seq in batch.seqs:
+            heads = seq.new_k.shape[0]
+            for r in seq.reads:
+                self.reads[r.level] += r.num_blocks * heads
+            # row [2, heads, m, head_dim] (sinks, recent blocks, filling block) and the new token:
+            # whole blocks and the partial one, each read by every head.
+            row_tokens = seq.row.shape[2] + seq.new_k.shape[1]
+            row_blocks = -(-row_tokens // reader.cfg.block_size) * heads
+            self.reads[Level.DEVICE] += row_blocks
+            self.row_reads += row_blocks
+        return self.inner.decode_batch(batch, reader)
 
     def prefill(self, layer, q, filling, new_k, new_v, reads: list[LevelRead], reader):
         return self.inner.prefill(layer, q, filling, new_k, new_v, reads, reader)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from flashmemory.errors import ColdBlockError, SessionsUnavailableError, blame_sequence
+from flashmemory.errors import ColdBlockError, SessionsUnavailableError, blame_sequence, serving_sequence
 from flashmemory.kvcache.attention.backend import AttentionBackend, LevelRead
 from flashmemory.kvcache.attention.registry import select_backend
 from flashmemory.kvcache.config import KV_DTYPE, TieredCacheConfig, hierarchy_codecs
+from flashmemory.kvcache.forward_plan import ForwardPlanner
 from flashmemory.kvcache.interface import ForwardBatch, KVCache, SequenceSlice
 from flashmemory.kvcache.kv_stats import KVStats
 from flashmemory.kvcache.levels.protocol import StorageLevel
@@ -72,6 +73,7 @@ class TieredKVCache(KVCache):
         self.rows = RecentRows(cfg.max_num_seqs, cfg.num_layers, cfg.num_kv_heads, cfg.block_size, cfg.head_dim,
                                recent, sink, cfg.device)
         self.seqs: dict[int, SequenceKV] = {}
+        self.planner = ForwardPlanner(cfg, self.reader, self.rows, self.seqs)
         self.trace: TraceRecorder | None = None
         if cfg.record_traces:
             self.trace = TraceRecorder()
@@ -245,41 +247,36 @@ class TieredKVCache(KVCache):
 
     # ---- attention --------------------------------------------------------------------------------------------
 
-    def attend_sequence(self, layer: int, s: SequenceSlice, q, k, v) -> torch.Tensor:
-        try:
-            return self._attend(layer, s, q, k, v)
-        except Exception as e:
-            blame_sequence(e, s.seq_id)  # the engine fails or recomputes this sequence only
-            raise
+    def attend(self, layer: int, batch: ForwardBatch, q, k, v) -> torch.Tensor:
+        """Every decode token of the forward in one backend call (a DecodeBatch); each prefill
+        chunk on its own."""
+        if len(batch.slices) == 1:  # whatever fails is this sequence's
+            return self.attend_sequence(layer, batch.slices[0], q, k, v)
+        decodes = [s for s in batch.slices if s.num_new_tokens == 1]
+        if len(decodes) == len(batch.slices):  # a decode step: token i is sequence i's
+            return self._attend_decodes(layer, decodes, q, k, v)
+        out = torch.empty_like(q)
+        for s in batch.slices:
+            if s.num_new_tokens > 1:
+                rows = slice(s.token_start, s.token_end)
+                out[rows] = self.attend_sequence(layer, s, q[rows], k[rows], v[rows])
+        if decodes:
+            rows = torch.tensor([s.token_start for s in decodes], device=q.device)
+            out[rows] = self._attend_decodes(layer, decodes, q[rows], k[rows], v[rows])
+        return out
 
-    def _attend(self, layer: int, s: SequenceSlice, q, k, v) -> torch.Tensor:
-        # q: [n, num_heads, head_dim]; k, v: [n, num_kv_heads, head_dim]
-        seq = self.seqs[s.seq_id]
-        new_k = k.transpose(0, 1).to(KV_DTYPE)  # [num_kv_heads, n, head_dim]
-        new_v = v.transpose(0, 1).to(KV_DTYPE)
-        seq.pending.append((new_k, new_v))
-        filling = self.rows.layer_view(seq, layer)  # [2, num_kv_heads, m, head_dim]: the recent blocks and filling
-        decoding = s.num_new_tokens == 1
-        quest = self.cfg.selection == "quest"
-        selecting = decoding and quest
-        if seq.plan is None:
-            seq.plan = self.reader.plan(s.seq_id, seq, decoding, with_digest=quest)
-            if selecting and any(level != Level.DEVICE for level in seq.plan):
-                self.reader.selection_steps += 1
-            for level, plan in seq.plan.items():
-                plan.hints = seq.hints.get(level) if decoding else None
-            if not decoding:
-                seq.hints = {}  # a new prompt chunk: the hints come from its own last tokens
-        if quest and not decoding:
-            for level, plan in seq.plan.items():
-                hint = None if level == Level.DEVICE else self.reader.prompt_hints(plan, q, layer)
-                if hint is not None:
-                    seq.hints.setdefault(level, {})[layer] = hint
-        reads = [LevelRead(level, plan, self.reader.choose(level, plan, q, layer)
-                           if selecting and level != Level.DEVICE else None) for level, plan in seq.plan.items()]
-        if decoding:
-            return self.attention.decode(layer, q, filling, new_k, new_v, reads, self.reader)
-        return self.attention.prefill(layer, q, filling, new_k, new_v, reads, self.reader)
+    def attend_sequence(self, layer: int, s: SequenceSlice, q, k, v) -> torch.Tensor:
+        with serving_sequence(s.seq_id):  # the engine fails or recomputes this sequence only
+            if s.num_new_tokens == 1:
+                return self._attend_decodes(layer, [s], q, k, v)
+            seq, row, new_k, new_v = self.planner.begin(layer, s, q, k, v)
+            reads = [LevelRead(level, plan, None) for level, plan in seq.plan.items()]
+            return self.attention.prefill(layer, q, row, new_k, new_v, reads, self.reader)
+
+    def _attend_decodes(self, layer: int, slices: list[SequenceSlice], q, k, v) -> torch.Tensor:
+        # q: [B, num_heads, head_dim]; k, v: [B, num_kv_heads, head_dim], row b for slices[b]
+        batch = self.planner.decode_batch(layer, slices, q, k, v)
+        return self.attention.decode_batch(batch, self.reader)
 
     def append_kv(self, seq_id: int, keys: torch.Tensor, values: torch.Tensor, token_ids: list[int]) -> None:
         """Restore exact KV [num_layers, num_kv_heads, n, head_dim] as a prefill chunk's forward would store it: the

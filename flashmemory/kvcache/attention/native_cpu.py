@@ -1,6 +1,8 @@
 """NativeCpuAttention: decode through the compiled kernel — L0 and L1 blocks are read straight from their pools'
-records (INT4 / FP16) into one online softmax; nothing is decoded into a float buffer first. Prefill, and decode
-steps the kernel cannot take (a query group above its limit, a dtype other than float32), use TorchAttention."""
+records (INT4 / FP16) into one online softmax; nothing is decoded into a float buffer first. A
+decode batch is one kernel call for all its sequences (native/decode_batch.py). Prefill, and decode
+steps the kernel cannot take (a query group above its limit, a dtype other than float32), use
+TorchAttention."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flashmemory.errors import serving_sequence
 from flashmemory.kvcache import native
-from flashmemory.kvcache.attention.backend import LevelRead
+from flashmemory.kvcache.attention.backend import DecodeBatch, LevelRead, SequenceDecode
 from flashmemory.kvcache.attention.torch_backend import TorchAttention
 from flashmemory.kvcache.config import TieredCacheConfig
 from flashmemory.kvcache.manager.blocks import Level
@@ -26,48 +29,45 @@ class NativeCpuAttention:
     def __init__(self) -> None:
         self.fallback = TorchAttention()
         self._formats: dict[object, native.RecordFormat] = {}  # id(pool) (or a level without one) -> its format
-        self._states: dict[tuple[int, int, int], native.DecodeState] = {}  # (heads, kv heads, head_dim) -> state
 
     @staticmethod
     def supports(cfg: TieredCacheConfig) -> bool:
         """Whether decode steps of this geometry can use the kernel (CPU, float32 compute, within its limits)."""
         return native.supports(cfg.block_size, cfg.head_dim, cfg.device, torch.float32)
 
-    def decode(self, layer: int, q: torch.Tensor, filling: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
-               reads: list[LevelRead], reader: BlockReader) -> torch.Tensor:
-        heads = filling.shape[1]
-        if q.dtype != torch.float32 or q.shape[1] > native.MAX_GROUP * heads:
-            return self.fallback.decode(layer, q, filling, new_k, new_v, reads, reader)
-        state = self._state(q[0], heads)
-        state.add_dense(filling[0], filling[1])  # fp16 views, read in place
-        state.add_dense(new_k, new_v)
-        for read in reads:
+    def decode_batch(self, batch: DecodeBatch, reader: BlockReader) -> torch.Tensor:
+        heads = reader.cfg.num_kv_heads
+        if batch.q.dtype != torch.float32 or batch.q.shape[1] > native.MAX_GROUP * heads:
+            return self.fallback.decode_batch(batch, reader)
+        call = native.DecodeBatchCall(native.library(), heads)
+        for seq in batch.seqs:
+            with serving_sequence(seq.seq_id):
+                self._add_sequence(call, batch.layer, seq, reader)
+        return call.attend(batch.q)
+
+    def _add_sequence(self, call: native.DecodeBatchCall, layer: int, seq: SequenceDecode,
+                      reader: BlockReader) -> None:
+        """The sequence's key sets, in order: its row (fp16 views, read in place), its new token,
+        each level."""
+        heads = seq.row.shape[1]
+        call.next_sequence()
+        call.add_dense(seq.row[0], seq.row[1])
+        call.add_dense(seq.new_k, seq.new_v)
+        for read in seq.reads:
             pool = reader.memory_pool(read.level)
             if (pool is None or read.level == Level.DISK) and read.chosen is not None:
                 # read from a file as parts: laid out as records (still coded) and folded like a pool's
                 records, positions = reader.records(read.level, read.plan, read.chosen, layer)
-                state.add_records(records, positions, self._record_format(reader, read.level))
+                call.add_records(records, positions, self._record_format(reader, read.level))
             elif pool is None or read.level == Level.DISK:  # every block of the level: decode, fold
                 kv = reader.gather(read.level, read.plan, read.chosen, layer, torch.float32)
-                state.add_dense(kv[0], kv[1])
+                call.add_dense(kv[0], kv[1])
             elif read.chosen is None:  # every head reads every block: one row of slots, read with a head stride of 0
-                state.add_records(pool.storage, read.plan.slot_tensor.expand(heads, -1), self._format(pool),
-                                  layer=layer)
+                call.add_records(pool.storage, read.plan.slot_tensor.expand(heads, -1),
+                                 self._format(pool), layer=layer)
             else:  # each head its chosen positions, looked up in the plan's slots by the kernel
-                state.add_records(pool.storage, read.chosen, self._format(pool), table=read.plan.slot_tensor,
-                                  layer=layer)
-        return state.output().unsqueeze(0)
-
-    def _state(self, q: torch.Tensor, heads: int) -> native.DecodeState:
-        """The decode state for this geometry, reset to query q [num_heads, head_dim]: one per backend, reused by
-        every layer and step (decode calls never overlap: one engine thread runs the forward)."""
-        key = (q.shape[0], heads, q.shape[1])
-        state = self._states.get(key)
-        if state is None:
-            state = self._states[key] = native.DecodeState(native.library(), q, heads)
-        else:
-            state.reset(q)
-        return state
+                call.add_records(pool.storage, read.chosen, self._format(pool),
+                                 table=read.plan.slot_tensor, layer=layer)
 
     def prefill(self, layer: int, q: torch.Tensor, filling: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
                 reads: list[LevelRead], reader: BlockReader) -> torch.Tensor:

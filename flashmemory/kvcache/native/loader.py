@@ -10,8 +10,9 @@ from pathlib import Path
 from flashmemory.native_build import BASE_FLAGS, build_library
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("decode_attention.c", "quest_select.c", "heat_mlp.c", "access_stats.c", "quant_range.c",
-                               "segment_read.c"))
+                for name in ("decode_attention.c", "decode_batch.c", "quest_select.c",
+                             "heat_mlp.c", "access_stats.c", "quant_range.c", "segment_read.c"))
+HEADERS = (Path(__file__).with_name("csrc") / "decode_attention.h",)  # in the build's cache key
 # -fopenmp: decode attention splits its blocks over torch's OpenMP threads (the same libgomp, loaded by torch first).
 FLAGS = (*BASE_FLAGS, "-fopenmp")
 MAX_BLOCK_TOKENS = 64  # FM_MAX_TOKENS in the C source
@@ -28,7 +29,8 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 @cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (with one log line saying why) when it cannot be used here."""
-    lib = build_library("flashmemory_native", SOURCES, FLAGS, "decode attention and the heat predictor")
+    what = "decode attention and the heat predictor"
+    lib = build_library("flashmemory_native", SOURCES, FLAGS, what, HEADERS)
     if lib is None:
         return None
     declare_decode_attention(lib)
@@ -66,4 +68,8 @@ def declare_decode_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.fm_decode_begin.argtypes = [_PTR, ctypes.c_float, _I64, _I64, _PTR, _PTR]
     lib.fm_decode_end.restype = None
     lib.fm_decode_end.argtypes = [_PTR, _I64, _I64, _PTR]
+    if hasattr(lib, "fm_attend_batch"):  # none in an older checkout's (bench/kernel_speed.py)
+        lib.fm_attend_batch.restype = ctypes.c_int
+        lib.fm_attend_batch.argtypes = [_PTR, ctypes.c_float, _I64, _I64, _I64, _I64, _PTR, _PTR,
+                                        ctypes.c_int, _PTR]
     return lib

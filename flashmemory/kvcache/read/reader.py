@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from flashmemory.errors import serving_sequence
 from flashmemory.kvcache.config import TieredCacheConfig
 from flashmemory.kvcache.levels.protocol import StorageLevel
 from flashmemory.kvcache.levels.tensor_pool import TensorPool
@@ -124,15 +125,35 @@ class BlockReader:
         floor = -(-self.cfg.selection_min_tokens // self.cfg.block_size)
         return max(1, min(num_candidates, max(wanted, floor)))
 
-    def choose(self, level: Level, plan: LevelPlan, q: torch.Tensor, layer: int) -> torch.Tensor:
-        """Query-aware choice of a level's blocks for one decode step: [num_kv_heads, budget] positions on the
-        compute device. Scored where the digests are (host memory, sequence_state.py): on a GPU the query comes to
-        the host and the choice goes back."""
+    def choose_batch(self, layer: int, q: torch.Tensor,
+                     wanted: list[tuple[int, Level, LevelPlan]]) -> list[torch.Tensor]:
+        """Query-aware choice of a decode batch's old blocks at one layer: for each (row b of q
+        [B, num_heads, head_dim], level, plan) in `wanted`, [num_kv_heads, budget] positions on q's
+        device. Scored where the digests are (host memory, sequence_state.py): on a GPU the
+        batch's queries come to the host in one transfer and all its choices go back in one."""
+        if not wanted:
+            return []
         started = time.perf_counter()
         try:
-            return self._choose(level, plan, q.to(plan.digest.device), layer).to(q.device)
+            (host_q,) = self.transfer([q], wanted[0][2].digest.device)
+            chosen = []
+            for b, level, plan in wanted:
+                with serving_sequence(plan.seq_id):
+                    chosen.append(self._choose(level, plan, host_q[b : b + 1], layer))
+            return self.transfer(chosen, q.device)
         finally:
             self.selection_seconds += time.perf_counter() - started
+
+    @staticmethod
+    def transfer(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """`tensors` (of one dtype) on `device` in one copy; the same tensors if already there."""
+        if all(t.device == device for t in tensors):
+            return tensors
+        if len(tensors) == 1:
+            return [tensors[0].to(device)]
+        moved = torch.cat([t.reshape(-1) for t in tensors]).to(device)
+        parts = moved.split([t.numel() for t in tensors])
+        return [part.view(t.shape) for part, t in zip(parts, tensors)]
 
     def _choose(self, level: Level, plan: LevelPlan, q: torch.Tensor, layer: int) -> torch.Tensor:
         budget = self.budget(level, len(plan.indices))

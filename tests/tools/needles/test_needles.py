@@ -108,7 +108,7 @@ def test_a_config_that_never_reads_the_needle_is_caught(engine, monkeypatch):
     baseline = run_config(engine, BASELINE, BASELINE_KNOBS, trials)
     for trial, result in zip(trials, baseline.results):
         trial.expected = (result.answer,)
-    original = BlockReader.choose
+    original = BlockReader._choose  # one sequence's choice at one level and layer
     hidden: set[int] = set()
 
     def choose_without_needle(self, level, plan, q, layer):
@@ -125,7 +125,7 @@ def test_a_config_that_never_reads_the_needle_is_caught(engine, monkeypatch):
         return total
 
     exact_tiered = run_config(engine, "tiered-all", {**TINY_KV, "selection": "exact"}, trials)
-    monkeypatch.setattr(BlockReader, "choose", choose_without_needle)
+    monkeypatch.setattr(BlockReader, "_choose", choose_without_needle)
     blind = run("blind", TINY_KV)
     baseline = run_config(engine, BASELINE, BASELINE_KNOBS, trials)  # re-scored against the new expectations
     assert baseline.pass_rate == 1.0

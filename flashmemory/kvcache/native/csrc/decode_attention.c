@@ -23,11 +23,7 @@
 #include <omp.h>
 #endif
 
-#define FM_MAX_TOKENS 64 /* tokens decoded at once (a block, or a tile of dense keys) */
-#define FM_MAX_DIM 256
-#define FM_MAX_GROUP 32 /* query heads per KV head */
-
-typedef _Float16 fm_half;
+#include "decode_attention.h"
 
 typedef float fm_v8 __attribute__((vector_size(32)));
 typedef int32_t fm_v8i __attribute__((vector_size(32)));
@@ -396,7 +392,7 @@ static void dequantize_values(const uint8_t *codes, const fm_half *scale, const 
     }
 }
 
-/* The record of block i of KV head h (see fold_records). */
+/* The record of block i of KV head h (see fm_fold_records). */
 static inline const uint8_t *record_at(const uint8_t *storage, int64_t num_slots, int64_t record_bytes,
                                        const int64_t *slots, int64_t slot_stride, const int64_t *table, int64_t h,
                                        int64_t i) {
@@ -406,11 +402,12 @@ static inline const uint8_t *record_at(const uint8_t *storage, int64_t num_slots
 
 /* Fold blocks i0..i1 of each KV head into `state`: block i of head h is slot slots[h * slot_stride + i], or
  * table[slots[h * slot_stride + i]] when a table is given. */
-static void fold_records(const float *q, int64_t H, int64_t G, int64_t D, const uint8_t *storage, int64_t num_slots,
-                         int64_t record_bytes, const int64_t *slots, int64_t slot_stride, const int64_t *table,
-                         int64_t i0, int64_t i1, int bits,
-                         int64_t bs, int64_t kgroup, int64_t vgroup, int64_t codes_off, int64_t ks_off,
-                         int64_t kz_off, int64_t vs_off, int64_t vz_off, float *state) {
+void fm_fold_records(const float *q, int64_t H, int64_t G, int64_t D, const uint8_t *storage,
+                     int64_t num_slots, int64_t record_bytes, const int64_t *slots,
+                     int64_t slot_stride, const int64_t *table, int64_t i0, int64_t i1, int bits,
+                     int64_t bs, int64_t kgroup, int64_t vgroup, int64_t codes_off,
+                     int64_t ks_off, int64_t kz_off, int64_t vs_off, int64_t vz_off,
+                     float *state) {
     float k[FM_MAX_TOKENS * FM_MAX_DIM], v[FM_MAX_TOKENS * FM_MAX_DIM]; /* formats fused_ok refuses */
     const int fused = bits != 16 && fused_ok(bits, bs, D, kgroup, vgroup);
     for (int64_t h = 0; h < H; h++) {
@@ -442,7 +439,7 @@ static void fold_records(const float *q, int64_t H, int64_t G, int64_t D, const 
 }
 
 /* state <- the online-softmax merge of state and other (both [H * G][D + 2]): rescale both to the larger max. */
-static void merge_states(float *state, const float *other, int64_t rows, int64_t D) {
+void fm_merge_states(float *state, const float *other, int64_t rows, int64_t D) {
     for (int64_t r = 0; r < rows; r++) {
         float *a = state + r * (D + 2);
         const float *b = other + r * (D + 2);
@@ -453,8 +450,6 @@ static void merge_states(float *state, const float *other, int64_t rows, int64_t
         a[D] = m;
     }
 }
-
-#define FM_MIN_BLOCKS_PER_THREAD 4 /* below this a second thread costs more than it saves */
 
 /* Fold n blocks per KV head of one layer's pool storage into the state, the block range split over num_threads
  * OpenMP threads (each folds the chunks it takes, every head, into its own state; the states are merged by
@@ -473,8 +468,9 @@ int fm_attend_records(const float *q, int64_t H, int64_t G, int64_t D, const uin
     float *partial = threads > 1 ? malloc(sizeof(float) * (size_t)((threads - 1) * H * G * (D + 2))) : NULL;
     if (partial == NULL) threads = 1;
     if (threads == 1) {
-        fold_records(q, H, G, D, storage, num_slots, record_bytes, slots, slot_stride, table, 0, n, bits, bs, kgroup,
-                     vgroup, codes_off, ks_off, kz_off, vs_off, vz_off, state);
+        fm_fold_records(q, H, G, D, storage, num_slots, record_bytes, slots, slot_stride, table, 0,
+                        n, bits, bs, kgroup, vgroup, codes_off, ks_off, kz_off, vs_off, vz_off,
+                        state);
         free(partial);
         return 0;
     }
@@ -500,11 +496,12 @@ int fm_attend_records(const float *q, int64_t H, int64_t G, int64_t D, const uin
         for (int64_t c = 0; c < num_chunks; c++) {
             const int64_t i0 = c * FM_MIN_BLOCKS_PER_THREAD;
             const int64_t i1 = i0 + FM_MIN_BLOCKS_PER_THREAD < n ? i0 + FM_MIN_BLOCKS_PER_THREAD : n;
-            fold_records(q, H, G, D, storage, num_slots, record_bytes, slots, slot_stride, table, i0, i1, bits, bs,
-                         kgroup, vgroup, codes_off, ks_off, kz_off, vs_off, vz_off, mine);
+            fm_fold_records(q, H, G, D, storage, num_slots, record_bytes, slots, slot_stride,
+                            table, i0, i1, bits, bs, kgroup, vgroup, codes_off, ks_off, kz_off,
+                            vs_off, vz_off, mine);
         }
     }
-    for (int t = 1; t < used; t++) merge_states(state, partial + (t - 1) * size, H * G, D);
+    for (int t = 1; t < used; t++) fm_merge_states(state, partial + (t - 1) * size, H * G, D);
     free(partial);
     return 0;
 }
