@@ -146,7 +146,7 @@ def instrument(engine, clock: PhaseClock) -> Iterator[dict[str, int]]:
         _wrap(cache, "attend", clock, "attend", stack)
         reader = getattr(cache, "reader", None)
         if reader is not None:
-            _wrap(reader, "choose", clock, "choose", stack)
+            _wrap(reader, "choose_batch", clock, "choose", stack)
         placement = getattr(cache, "placement", None)
         if placement is not None:
             _wrap(placement, "write_new_block", clock, "write_blocks", stack)
