@@ -80,7 +80,8 @@ def test_the_timers_are_gone_after_the_run_and_answers_do_not_change(tiny_llama,
     before = engine.generate_token_ids(ids, max_new_tokens=6, ignore_eos=True)
     report = diagnose(engine, ids, decode_tokens=6, disk_seconds=0)
     assert "forward" not in vars(engine.model) and "attend" not in vars(engine.cache)
-    assert "choose_batch" not in vars(engine.cache.reader) and "free_sequence" not in vars(engine.cache)
+    assert "choose_batch" not in vars(engine.cache.reader)
+    assert "free_sequence" not in vars(engine.cache)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in engine.model.modules())
     assert engine.cache.attention.name in ("native", "torch") and not hasattr(engine.cache.attention, "reads")
     assert engine.generate_token_ids(ids, max_new_tokens=6, ignore_eos=True) == before
