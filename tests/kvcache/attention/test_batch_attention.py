@@ -90,12 +90,18 @@ def test_batch_attention_matches_per_sequence_attention(backend, selection, tmp_
     alone.close()
 
 
-def test_quest_scoring_is_one_transfer_per_layer(tmp_path):
-    cache = _cache(tmp_path, "torch", "quest")
+def _prefilled(cache) -> list[SyntheticSequence]:
+    """One sequence per entry of LENGTHS, its prompt prefilled alone."""
     seqs = [SyntheticSequence(i, n + 1, seed=i) for i, n in enumerate(LENGTHS)]
     for s, n in zip(seqs, LENGTHS):
         cache.add_sequence(s.seq_id)
         _forward(cache, [(s, 0, n)])
+    return seqs
+
+
+def test_quest_scoring_is_one_transfer_per_layer(tmp_path):
+    cache = _cache(tmp_path, "torch", "quest")
+    seqs = _prefilled(cache)
     old_levels = sum(level != Level.DEVICE for s in seqs
                      for level in cache.reader.plan(s.seq_id, cache.seqs[s.seq_id], True, True))
     transfers, choices = [], []
@@ -120,10 +126,7 @@ def test_a_batch_moves_its_choices_to_another_device_in_one_copy():
 
 def test_a_read_that_fails_in_a_decode_batch_is_blamed_on_its_sequence(tmp_path):
     cache = _cache(tmp_path, "torch", "exact")
-    seqs = [SyntheticSequence(i, n + 1, seed=i) for i, n in enumerate(LENGTHS)]
-    for s, n in zip(seqs, LENGTHS):
-        cache.add_sequence(s.seq_id)
-        _forward(cache, [(s, 0, n)])
+    seqs = _prefilled(cache)
     gather = cache.reader.gather
 
     def failing_gather(level, plan, *args, **kwargs):

@@ -40,14 +40,19 @@ def _key_sets(seed: int, pools: dict) -> list[tuple]:
     return sets
 
 
-def _own_calls(q: torch.Tensor, sets: list[tuple]) -> torch.Tensor:
-    state = DecodeState(native.library(), q, HEADS)
+def _add_sets(target, sets: list[tuple]) -> None:
+    """Feed key sets to a DecodeState or a DecodeBatchCall (the same add_* methods)."""
     for kind, *args in sets:
         if kind == "dense":
-            state.add_dense(*args)
+            target.add_dense(*args)
         else:
             storage, slots, fmt, table, layer = args
-            state.add_records(storage, slots, fmt, table=table, layer=layer)
+            target.add_records(storage, slots, fmt, table=table, layer=layer)
+
+
+def _own_calls(q: torch.Tensor, sets: list[tuple]) -> torch.Tensor:
+    state = DecodeState(native.library(), q, HEADS)
+    _add_sets(state, sets)
     return state.output()
 
 
@@ -63,12 +68,7 @@ def test_one_batch_call_gives_each_sequence_the_bits_of_its_own_calls(threads):
         call = DecodeBatchCall(native.library(), HEADS)
         for seq_sets in sets:
             call.next_sequence()
-            for kind, *args in seq_sets:
-                if kind == "dense":
-                    call.add_dense(*args)
-                else:
-                    storage, slots, fmt, table, layer = args
-                    call.add_records(storage, slots, fmt, table=table, layer=layer)
+            _add_sets(call, seq_sets)
         batched = call.attend(q)
         alone = torch.stack([_own_calls(q[b], sets[b]) for b in range(3)])
     finally:
