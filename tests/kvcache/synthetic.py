@@ -3,6 +3,7 @@ no checkpoint, and a dense float64 reference attention to compare with."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flashmemory.kvcache.config import TieredCacheConfig
@@ -16,6 +17,12 @@ LAYERS, HEADS, KV_HEADS, DIM = 2, 4, 2, 16  # the tiny test model's geometry (te
 # the tiny model: 8-token blocks, two blocks each of L0 and L1, so that a test of a few dozen
 # tokens reaches every level.
 TINY_SETTINGS = dict(block_size=8, active_window=16, warm_tokens=16)
+
+
+def skip_without_native(cache: KVCache, backend: str) -> None:
+    """Skip a test of the native backend where the kernel cannot be built (no C compiler)."""
+    if backend == "native" and cache.attention.name != "native":
+        pytest.skip("no C compiler: the native kernel cannot be built here")
 
 
 def tiny_config(**overrides) -> TieredCacheConfig:

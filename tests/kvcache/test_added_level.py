@@ -12,7 +12,7 @@ from flashmemory.errors import CapacityError, ConfigError
 from flashmemory.kvcache.interface import ForwardBatch
 from flashmemory.kvcache.tiered import TieredKVCache
 from tests.kvcache.levels import dict_store
-from tests.kvcache.synthetic import SyntheticSequence, tiny_config
+from tests.kvcache.synthetic import SyntheticSequence, skip_without_native, tiny_config
 
 # L2 keeps a block 16 tokens (two blocks of 8), then it moves to the store; 1 MiB holds 512 FP16
 # blocks here.
@@ -32,8 +32,7 @@ def test_a_fourth_level_is_one_medium_file_and_a_registry_line(backend, monkeypa
     exact = dict(kv_precision="fp16", selection="exact", cold_zone_dir=str(tmp_path))
     four = TieredKVCache(tiny_config(kv_levels=FOUR_LEVELS, **exact))
     three = TieredKVCache(tiny_config(**exact))
-    if backend == "native" and four.attention.name != "native":
-        pytest.skip("no C compiler: the native kernel cannot be built here")
+    skip_without_native(four, backend)
     try:
         for cache in (four, three):
             cache.use_attention_backend(backend)

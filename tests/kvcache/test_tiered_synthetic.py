@@ -9,14 +9,13 @@ from flashmemory.errors import ConfigError
 from flashmemory.kv_settings import MIB
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.tiered import TieredKVCache
-from tests.kvcache.synthetic import SyntheticSequence, tiny_config
+from tests.kvcache.synthetic import SyntheticSequence, skip_without_native, tiny_config
 
 
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_fp16_exact_selection_over_three_levels_equals_dense_attention(backend, tmp_path):
     cache = TieredKVCache(tiny_config(kv_precision="fp16", selection="exact", cold_zone_dir=str(tmp_path)))
-    if backend == "native" and cache.attention.name != "native":
-        pytest.skip("no C compiler: the native kernel cannot be built here")
+    skip_without_native(cache, backend)
     cache.use_attention_backend(backend)
     seq = SyntheticSequence(1, 120)
     cache.add_sequence(1)
@@ -239,8 +238,7 @@ def test_the_32k_models_geometry_is_exact_over_three_levels_with_its_auto_block_
     cache = TieredKVCache(tiny_config(num_layers=g["layers"], num_kv_heads=g["kv_heads"], head_dim=g["dim"],
                                       block_size=block, active_window=64, warm_tokens=64, kv_precision="fp16",
                                       selection="exact", cold_zone_dir=str(tmp_path)))
-    if backend == "native" and cache.attention.name != "native":
-        pytest.skip("no C compiler: the native kernel cannot be built here")
+    skip_without_native(cache, backend)
     cache.use_attention_backend(backend)  # 7 query heads per KV head
     seq = SyntheticSequence(1, 300, seed=3, **g)
     cache.add_sequence(1)

@@ -11,7 +11,7 @@ from flashmemory.kvcache.interface import ForwardBatch
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.read.reader import BlockReader
 from flashmemory.kvcache.tiered import TieredKVCache
-from tests.kvcache.synthetic import LAYERS, SyntheticSequence, tiny_config
+from tests.kvcache.synthetic import LAYERS, SyntheticSequence, skip_without_native, tiny_config
 
 # No old block; L1 only; L1 and L2; a long one (an L1 of 8 blocks: two kernel lanes at 3 threads)
 LENGTHS = (10, 45, 95, 140)
@@ -22,8 +22,7 @@ def _cache(path, backend: str, selection: str) -> TieredKVCache:
     cache = TieredKVCache(tiny_config(cold_zone_dir=str(path), selection=selection, warm_tokens=64,
                                       warm_budget_tokens=16, selection_min_tokens=0,
                                       semantic_truncate_threshold=0.5, max_num_seqs=5))
-    if backend == "native" and cache.attention.name != "native":
-        pytest.skip("no C compiler: the native kernel cannot be built here")
+    skip_without_native(cache, backend)
     cache.use_attention_backend(backend)
     return cache
 
