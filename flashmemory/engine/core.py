@@ -212,9 +212,9 @@ class EngineCore:
         return out
 
     def _apply(self, plan: StepPlan) -> list[Delivery]:
-        """Carry the plan's preemptions and admissions out on the cache, freeing before allocating. A sequence
-        whose admission fails (a cached block it reuses cannot be read) is contained alone and leaves the plan;
-        returns the outputs of those that failed."""
+        """Carry the plan's preemptions and admissions out on the cache, freeing before allocating.
+        A sequence whose admission fails (a cached block it reuses cannot be read) is contained
+        alone and leaves the plan; returns the outputs of those that failed."""
         cache, out = self.cache, []
         for seq in plan.demoted:
             cache.demote_sequence(seq.seq_id)
@@ -225,7 +225,7 @@ class EngineCore:
         for seq in plan.admitted:
             try:
                 self._admit(seq)
-            except Exception as e:  # noqa: BLE001 - contained: this sequence is recomputed or fails alone
+            except Exception as e:  # noqa: BLE001 - contained: recomputed, or it fails alone
                 out += self._contain_admission(e, seq)
         if out or any(seq.status != SequenceStatus.RUNNING for seq in plan.admitted):
             plan.scheduled = [(seq, n) for seq, n in plan.scheduled
@@ -240,32 +240,34 @@ class EngineCore:
         return out
 
     def _admit(self, seq: Sequence) -> None:
-        """Give an admitted sequence its place in the cache and the cached prefix the scheduler counted."""
+        """Give an admitted sequence its place in the cache and the prefix the scheduler counted."""
         cache = self.cache
         cache.add_sequence(seq.seq_id)
         if not seq.skip_prefix_reuse:
-            reused = cache.reuse_prefix(seq.seq_id, seq.token_ids(0, seq.num_tokens))  # a lookup, hit or miss
-            # NOTE: nothing between the scheduler's lookup and this attach evicts a whole block (only L0 copies of
-            # unused ones go), so the cache finds what the scheduler counted.
+            # a lookup, hit or miss
+            reused = cache.reuse_prefix(seq.seq_id, seq.token_ids(0, seq.num_tokens))
+            # NOTE: nothing between the scheduler's lookup and this attach evicts a whole block
+            # (only L0 copies of unused ones go), so the cache finds what the scheduler counted.
             assert reused == seq.num_cached_prefix_tokens, (reused, seq.num_cached_prefix_tokens)
         for start, end in seq.pinned_spans:
             cache.pin_span(seq.seq_id, start, end)
 
     def _contain_admission(self, error: Exception, seq: Sequence) -> list[Delivery]:
-        """Admitting `seq` failed. Its KV is freed (the prefix blocks it reused stay cached; a block that could not
-        be read already left the cache) and it waits to be computed again, once; then it fails alone."""
+        """Admitting `seq` failed. Its KV is freed (the prefix blocks it reused stay cached; a block
+        that could not be read already left the cache) and it waits to be computed again, once;
+        then it fails alone."""
         if is_fatal(error, self.device):
             raise error
-        logger.error("admitting sequence %d failed: %s: %s", seq.seq_id, type(error).__name__, error,
-                     exc_info=not isinstance(error, FlashMemoryError))
+        logger.error("admitting sequence %d failed: %s: %s", seq.seq_id, type(error).__name__,
+                     error, exc_info=not isinstance(error, FlashMemoryError))
         self.cache.free_sequence(seq.seq_id)
         live = self._live.get(seq.seq_id)
         seq.num_faults += 1
         if live is not None and isinstance(error, RECOVERABLE + (CapacityError,)) \
                 and seq.num_faults <= MAX_RECOMPUTES:
-            # Computed again from its tokens alone: the block that failed left the cache, but the older blocks
-            # of the same prefix are read only later, by decode steps, and may be as damaged (a truncated file);
-            # a full level while restoring the prefix would fail the same way again.
+            # Computed again from its tokens alone: the block that failed left the cache, but the
+            # older blocks of the same prefix are read only later, by decode steps, and may be as
+            # damaged (a truncated file); a full level while restoring it would fail the same way.
             seq.skip_prefix_reuse = True
             self.scheduler.requeue(seq)
             self.observer.on_fault("recompute")

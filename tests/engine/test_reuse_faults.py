@@ -1,6 +1,6 @@
-"""A fault on the prefix-reuse path (admission) is contained as on the decode path: the block that cannot be read
-leaves the prefix cache, counted by reason, the sequence is computed again without it (once) or fails alone, and
-every other sequence and the engine go on."""
+"""A fault on the prefix-reuse path (admission) is contained as on the decode path: the block that
+cannot be read leaves the prefix cache, counted by reason, the sequence is computed again without
+it (once) or fails alone, and every other sequence and the engine go on."""
 
 from __future__ import annotations
 
@@ -14,16 +14,29 @@ from flashmemory.engine.sampling import SamplingParams
 from flashmemory.errors import CapacityError
 from flashmemory.kvcache.manager.blocks import Level
 
-# fp16 on every level and exact selection: a recomputed answer equals the reused one token for token.
-KV = dict(block_size=8, active_window=16, warm_tokens=16, prefill_chunk_tokens=24, cpu_memory_gb=0.01,
-          cold_zone_gb=0.01, kv_precision="fp16", selection="exact", max_num_seqs=4, recent_fp16_tokens=0)
+# fp16 on every level and exact selection: a recomputed answer equals the reused one, token for
+# token.
+KV = dict(
+    block_size=8,
+    active_window=16,
+    warm_tokens=16,
+    prefill_chunk_tokens=24,
+    cpu_memory_gb=0.01,
+    cold_zone_gb=0.01,
+    kv_precision="fp16",
+    selection="exact",
+    max_num_seqs=4,
+    recent_fp16_tokens=0,
+)
 DOCUMENT = "Alice was beginning to get very tired of sitting by her sister on the bank " * 3
 QUESTION = DOCUMENT + "What was Alice doing?"
 OTHER = "The capital of France"
 
 
 def _engine(tiny_llama, folder, **extra) -> FlashMemoryEngine:
-    return FlashMemoryEngine(model_path=str(tiny_llama), cold_zone_dir=str(folder), **{**KV, **extra})
+    return FlashMemoryEngine(
+        model_path=str(tiny_llama), cold_zone_dir=str(folder), **{**KV, **extra}
+    )
 
 
 @pytest.fixture
@@ -39,7 +52,10 @@ def _run(engine, prompts: list[str], max_tokens: int) -> dict[int, list]:
     outs: dict[int, list] = {i: [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
         params = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
-        core.add(SequenceRequest(i, engine.tokenizer.encode(p), params, time.perf_counter()), outs[i].append)
+        core.add(
+            SequenceRequest(i, engine.tokenizer.encode(p), params, time.perf_counter()),
+            outs[i].append,
+        )
     while core.has_work():
         for sink, out in core.step():
             sink(out)
@@ -51,7 +67,7 @@ def _text(outs: list) -> str:
 
 
 def _cold_cached_blocks(engine) -> list:
-    """Cached blocks whose only copy is their L2 record (a reuse reads it for the block's digest)."""
+    """Cached blocks whose only copy is their L2 record (a reuse reads it for its digest)."""
     return [b for b in engine.cache.prefix_cache.index.values() if set(b.slots) == {Level.DISK}]
 
 
@@ -64,11 +80,17 @@ def _corrupt(engine, block) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-def test_a_corrupt_block_of_a_reused_prefix_is_dropped_and_the_sequence_recomputed(engine, tiny_llama, tmp_path):
+def test_a_corrupt_block_of_a_reused_prefix_is_dropped_and_the_sequence_recomputed(
+    engine, tiny_llama, tmp_path
+):
     reference = _engine(tiny_llama, tmp_path / "ref", prefix_caching=False)
-    expected = [reference.generate(p, max_new_tokens=12, ignore_eos=True) for p in (QUESTION, OTHER)]
+    expected = [
+        reference.generate(p, max_new_tokens=12, ignore_eos=True) for p in (QUESTION, OTHER)
+    ]
     reference.close()
-    engine.generate(DOCUMENT, max_new_tokens=2, ignore_eos=True)  # caches the document, its head aged to L2
+    engine.generate(
+        DOCUMENT, max_new_tokens=2, ignore_eos=True
+    )  # caches the document, its head aged to L2
     cold = _cold_cached_blocks(engine)
     assert cold, "the document's old blocks should be cached on L2 only"
     _corrupt(engine, cold[len(cold) // 2])
@@ -109,8 +131,9 @@ def test_an_unexpected_error_while_admitting_fails_that_sequence_alone(engine, m
     assert engine.generate("hi", max_new_tokens=3)  # the engine goes on
 
 
-def test_a_full_level_while_restoring_a_prefix_recomputes_it_without_the_cache(engine, tiny_llama, tmp_path,
-                                                                               monkeypatch):
+def test_a_full_level_while_restoring_a_prefix_recomputes_it_without_the_cache(
+    engine, tiny_llama, tmp_path, monkeypatch
+):
     reference = _engine(tiny_llama, tmp_path / "ref", prefix_caching=False)
     expected = reference.generate(QUESTION, max_new_tokens=12, ignore_eos=True)
     reference.close()
