@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flashmemory.tools.needles.tasks import TASKS, SuiteSpec
+from flashmemory.tools.needles.tasks import LAYOUTS, TASKS, SuiteSpec
 
 DEFAULTS = SuiteSpec()
 
@@ -26,6 +26,13 @@ def add_needle_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--needle-trials-per-cell", type=int, default=DEFAULTS.trials_per_cell,
                    help="seeded trials per task, length and depth (default 1: 108 trials in all)")
     g.add_argument("--needle-seed", type=int, default=DEFAULTS.seed, help="seed of placements and values")
+    g.add_argument("--needle-layout", choices=LAYOUTS, default=DEFAULTS.layout,
+                   help="separate: each trial its own haystack (RULER's); shared: every trial of a length in one "
+                   "haystack, prefilled once per configuration and reused by each question through the prefix "
+                   "cache (for 8K-32K on a CPU; docs/needles.md)")
+    g.add_argument("--needle-snapshot-dir", default=None, metavar="DIR",
+                   help="with --needle-layout shared: the exact cache prefills each haystack once into a KV "
+                   "snapshot here (kept for later runs) and every configuration restores it")
     g.add_argument("--heatmaps-dir", default=None, help="write one length x depth PNG per config here")
 
 
@@ -33,11 +40,16 @@ def run_needles(args: argparse.Namespace, engine, text: str, text_path: Path,
                 configs: dict[str, dict[str, Any]] | None) -> int:
     """Build the trials, run them through exact attention and each config, print and write the report."""
     from flashmemory.tools.needles import report
+    from flashmemory.tools.needles.prefill_once import HaystackPrefill
     from flashmemory.tools.needles.runner import DEFAULT_CONFIGS, run_suite
     from flashmemory.tools.needles.tasks import TrialBuilder, build_trials
 
+    if args.needle_snapshot_dir and args.needle_layout != "shared":
+        print("error: --needle-snapshot-dir needs --needle-layout shared (a snapshot holds one haystack that "
+              "many trials share)", file=sys.stderr)
+        return 2
     spec = SuiteSpec(tuple(args.needle_tasks), tuple(args.needle_lengths), tuple(args.needle_depths),
-                     args.needle_trials_per_cell, args.needle_seed)
+                     args.needle_trials_per_cell, args.needle_seed, args.needle_layout)
     trials = list(build_trials(TrialBuilder(engine.tokenizer, text), spec))
     configs = configs or DEFAULT_CONFIGS
     too_long = [t for t in trials if len(t.token_ids) + t.max_new_tokens > engine.max_seq_len]
@@ -53,16 +65,18 @@ def run_needles(args: argparse.Namespace, engine, text: str, text_path: Path,
         if done == total or done % 10 == 0:
             print(f"[{name}] {done}/{total} trials", file=sys.stderr, flush=True)
 
+    prefill = HaystackPrefill(Path(args.needle_snapshot_dir) if args.needle_snapshot_dir else None,
+                              log=lambda m: print(m, file=sys.stderr, flush=True))
     meta = {"text": str(text_path), "tasks": list(spec.tasks), "lengths_tokens": list(spec.lengths_tokens),
             "depths": list(spec.depths), "trials_per_cell": spec.trials_per_cell, "seed": spec.seed,
-            "num_trials": len(trials)}
+            "layout": spec.layout, "num_trials": len(trials), "snapshot_seconds": prefill.snapshot_seconds}
 
     def save(runs_so_far) -> None:
         if args.json:
             report.write_json(Path(args.json), report.to_json(runs_so_far, {
                 **meta, "table": report.format_table(runs_so_far)}))
 
-    runs = run_suite(engine, trials, configs, progress, on_config=save)
+    runs = run_suite(engine, trials, configs, progress, on_config=save, prefill=prefill)
     print(report.format_table(runs))
     print()
     print(report.format_regressions(runs))

@@ -36,8 +36,8 @@ def format_table(runs: list[ConfigRun]) -> str:
     baseline = runs[0]
     tasks = list(task_rates(baseline))
     head = ("| config | pass | " + " | ".join(tasks) + " | exact right, config wrong | config right, exact wrong "
-            "| old KV read / step | selection ms / step | s |")
-    rule = "|---|---:|" + "---:|" * len(tasks) + "---:|---:|---:|---:|---:|"
+            "| old KV read / step | selection ms / step | s | of which haystacks s |")
+    rule = "|---|---:|" + "---:|" * len(tasks) + "---:|---:|---:|---:|---:|---:|"
     rows = []
     for run in runs:
         rates = task_rates(run)
@@ -47,7 +47,7 @@ def format_table(runs: list[ConfigRun]) -> str:
         ms = run.kv_stats.get("selection_ms_per_step")
         rows.append(f"| {run.name} | {run.pass_rate:.1%} | " + " | ".join(f"{rates[t]:.0%}" for t in tasks)
                     + f" | {lost} | {won} | {'-' if fraction is None else f'{fraction:.1%}'} | "
-                    f"{'-' if ms is None else f'{ms:.2f}'} | {run.seconds:.0f} |")
+                    f"{'-' if ms is None else f'{ms:.2f}'} | {run.seconds:.0f} | {run.haystack_seconds:.0f} |")
     return "\n".join([head, rule, *rows])
 
 
@@ -57,8 +57,19 @@ def format_regressions(runs: list[ConfigRun]) -> str:
     for run in runs[1:]:
         for b, r in regressions(runs[0], run):
             lines.append(f"{run.name}: {r.task} length {r.length_tokens} depth {r.depth:g} "
-                         f"expected {' '.join(r.expected)!r} got {r.answer.strip()!r} (exact: {b.answer.strip()!r})")
+                         f"expected {' '.join(r.expected)!r} got {r.answer.strip()!r} (exact: {b.answer.strip()!r})"
+                         + _sight(r.needle))
     return "\n".join(lines) if lines else "no trial that exact attention answers is lost by any configuration"
+
+
+def _sight(needle: dict[str, Any] | None) -> str:
+    """Where the needle was while the config decoded (needles/probe.py), for a regression's line."""
+    if not needle:
+        return ""
+    if not needle["candidates"]:
+        return f"; needle in {needle['level']} (read whole)"
+    return (f"; needle in {needle['level']}, chosen {needle['chosen_share']:.0%} of {needle['candidates']} "
+            f"(step, layer, head) choices, median rank {needle['median_rank']}")
 
 
 def to_json(runs: list[ConfigRun], meta: dict[str, Any]) -> dict[str, Any]:
@@ -67,10 +78,12 @@ def to_json(runs: list[ConfigRun], meta: dict[str, Any]) -> dict[str, Any]:
         **meta,
         "baseline": baseline.name,
         "configs": [{"name": run.name, "knobs": run.knobs, "pass_rate": run.pass_rate, "seconds": run.seconds,
+                     "haystack_seconds": run.haystack_seconds,
+                     "haystack_tokens_restored": run.haystack_tokens_restored,
                      "kv_stats": run.kv_stats, "task_pass_rates": task_rates(run),
                      "exact_right_config_wrong": [
                          {"task": r.task, "length_tokens": r.length_tokens, "depth": r.depth, "key": r.key,
-                          "expected": r.expected, "got": r.answer, "exact_got": b.answer}
+                          "expected": r.expected, "got": r.answer, "exact_got": b.answer, "needle": r.needle}
                          for b, r in regressions(baseline, run)],
                      "results": [asdict(r) for r in run.results]} for run in runs],
     }
