@@ -1,11 +1,18 @@
-"""A shared haystack prefilled once: by the exact cache into a KV snapshot, restored into each configuration.
+"""A shared haystack prefilled once: by the exact cache into a KV snapshot, restored into each
+configuration.
 
-With a snapshot folder, the exact (FP16 contiguous) cache prefills each haystack once and writes its KV there
-(engine/kv_snapshot.py; a later run with the same model, text and trials finds the file and skips it). Each
-configuration then restores the haystack through its own cache's write path (each level's own copy, digests,
-placement, as a prefill chunk leaves them), computes the haystack's last chunk itself, and frees it into its
-prefix cache: every trial of the haystack reuses it and prefills only its question. Without a folder each
-configuration prefills the haystack itself once (its own approximations included) and the trials reuse that.
+With a snapshot folder, the exact (FP16 contiguous) cache prefills each haystack once and writes its
+KV there
+(engine/kv_snapshot.py; a later run with the same model, text and trials finds the file and skips
+it). Each
+configuration then restores the haystack through its own cache's write path (each level's own copy,
+digests,
+placement, as a prefill chunk leaves them), computes the haystack's last chunk itself, and frees it
+into its
+prefix cache: every trial of the haystack reuses it and prefills only its question. Without a folder
+each
+configuration prefills the haystack itself once (its own approximations included) and the trials
+reuse that.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from flashmemory.engine.kv_snapshot import engine_fingerprint, restore_prefill, 
 
 EXACT_KNOBS: dict[str, Any] = {"kv_cache": "contiguous", "kv_precision": "fp16"}
 MIB = 1 << 20
-KEEP_MARGIN = 1.25  # the prefix cache keeps this much more than one haystack's FP16 KV (questions, answers)
+KEEP_MARGIN = (
+    1.25  # the prefix cache keeps this much more than one haystack's FP16 KV (questions, answers)
+)
 
 
 @dataclass
@@ -40,8 +49,10 @@ def fp16_kv_bytes(engine, tokens: int) -> int:
 
 
 def keep_knobs(engine, tokens: int, knobs: dict[str, Any]) -> dict[str, Any]:
-    """`knobs` with prefix-cache budgets that keep a `tokens`-token haystack between its trials (what a cache
-    keeps after a request, not what a request reads; a budget the configuration names stays its own)."""
+    """`knobs` with prefix-cache budgets that keep a `tokens`-token haystack between its trials
+    (what a cache
+    keeps after a request, not what a request reads; a budget the configuration names stays its
+    own)."""
     need_mb = KEEP_MARGIN * fp16_kv_bytes(engine, tokens) / MIB
     out = dict(knobs)
     for name in ("prefix_cache_host_mb", "prefix_cache_disk_mb"):
@@ -50,12 +61,17 @@ def keep_knobs(engine, tokens: int, knobs: dict[str, Any]) -> dict[str, Any]:
 
 
 class HaystackPrefill:
-    """Warms shared haystacks into the engine's current cache; makes their snapshots first when a folder is given."""
+    """Warms shared haystacks into the engine's current cache; makes their snapshots first when a
+    folder is given."""
 
-    def __init__(self, snapshot_dir: Path | None = None, log: Callable[[str], None] = lambda _m: None) -> None:
+    def __init__(
+        self, snapshot_dir: Path | None = None, log: Callable[[str], None] = lambda _m: None
+    ) -> None:
         self.snapshot_dir = snapshot_dir
         self.log = log
-        self.snapshot_seconds: dict[str, float] = {}  # file name -> the exact prefill that made it, this run
+        self.snapshot_seconds: dict[
+            str, float
+        ] = {}  # file name -> the exact prefill that made it, this run
 
     def snapshot_path(self, engine, ids: list[int]) -> Path:
         assert self.snapshot_dir is not None
@@ -63,7 +79,8 @@ class HaystackPrefill:
         return self.snapshot_dir / f"haystack-{len(ids)}-{name}.kvsnap"
 
     def make_snapshots(self, engine, haystacks: list[list[int]]) -> None:
-        """The exact cache prefills every haystack whose snapshot is not in the folder yet and saves it."""
+        """The exact cache prefills every haystack whose snapshot is not in the folder yet and
+        saves it."""
         if self.snapshot_dir is None:
             return
         todo = [ids for ids in haystacks if not self.snapshot_path(engine, ids).exists()]
@@ -80,16 +97,24 @@ class HaystackPrefill:
             try:
                 engine.forward_tokens(seq_id, ids)
                 seconds = time.perf_counter() - started
-                save_prefill(engine.cache, seq_id, ids, path, engine_fingerprint(engine),
-                             {"prefill_seconds": seconds, "made_by": "flashmemory eval --needles"})
+                save_prefill(
+                    engine.cache,
+                    seq_id,
+                    ids,
+                    path,
+                    engine_fingerprint(engine),
+                    {"prefill_seconds": seconds, "made_by": "flashmemory eval --needles"},
+                )
             finally:
                 engine.cache.free_sequence(seq_id)
             self.snapshot_seconds[path.name] = seconds
             self.log(f"needles: {len(ids)} tokens prefilled in {seconds:.0f} s")
 
     def warm(self, engine, ids: list[int]) -> Warmed:
-        """Put the haystack's KV into the current cache's prefix cache: its snapshot restored (every full chunk
-        but the last), then the rest prefilled as a request (one token generated and dropped), whose full
+        """Put the haystack's KV into the current cache's prefix cache: its snapshot restored (every
+        full chunk
+        but the last), then the rest prefilled as a request (one token generated and dropped), whose
+        full
         blocks the prefix cache names as it does any prompt's."""
         started = time.perf_counter()
         restored = 0
@@ -97,8 +122,14 @@ class HaystackPrefill:
             seq_id = engine.core.next_seq_id()
             engine.cache.add_sequence(seq_id)
             try:
-                restored, _ = restore_prefill(engine.cache, seq_id, ids, self.snapshot_path(engine, ids),
-                                              engine_fingerprint(engine), engine.config.prefill_chunk_tokens)
+                restored, _ = restore_prefill(
+                    engine.cache,
+                    seq_id,
+                    ids,
+                    self.snapshot_path(engine, ids),
+                    engine_fingerprint(engine),
+                    engine.config.prefill_chunk_tokens,
+                )
             finally:
                 engine.cache.free_sequence(seq_id)  # its restored blocks stay in the prefix cache
         engine.generate_token_ids(ids, max_new_tokens=1, temperature=0.0)

@@ -1,4 +1,5 @@
-"""Where a trial's needle was when the answer was decoded: on which level, how its block ranked under the
+"""Where a trial's needle was when the answer was decoded: on which level, how its block ranked
+under the
 selection digest, and how often it was chosen (a ChoiceObserver on the tiered cache)."""
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ import torch
 from flashmemory.kvcache.read.choice import LayerChoice
 
 LEVEL_NAMES = {1: "L1", 2: "L2"}
-IN_WINDOW = "L0"  # never a candidate: the needle's blocks were read whole (the window, the sink, the rows)
+IN_WINDOW = (
+    "L0"  # never a candidate: the needle's blocks were read whole (the window, the sink, the rows)
+)
 
 
 @dataclass
 class NeedleSight:
-    """Over one trial's decode steps, every (step, layer, KV head, needle block) seen as a candidate."""
+    """Over one trial's decode steps, every (step, layer, KV head, needle block) seen as a
+    candidate."""
 
     levels: dict[str, int] = field(default_factory=dict)  # level -> candidate sightings there
     chosen: int = 0
@@ -27,12 +31,17 @@ class NeedleSight:
         if not seen:
             return {"level": IN_WINDOW, "chosen_share": 1.0, "median_rank": None, "candidates": 0}
         ranks = sorted(self.ranks)
-        return {"level": max(self.levels, key=self.levels.get), "chosen_share": self.chosen / seen,
-                "median_rank": ranks[len(ranks) // 2], "candidates": seen}
+        return {
+            "level": max(self.levels, key=self.levels.get),
+            "chosen_share": self.chosen / seen,
+            "median_rank": ranks[len(ranks) // 2],
+            "candidates": seen,
+        }
 
 
 class NeedleProbe:
-    """Watches the choices made while one trial decodes; `start(blocks)` names the needle's block indices."""
+    """Watches the choices made while one trial decodes; `start(blocks)` names the needle's block
+    indices."""
 
     def __init__(self) -> None:
         self.blocks = torch.empty(0, dtype=torch.int64)
@@ -41,7 +50,9 @@ class NeedleProbe:
     def start(self, spans: list[tuple[int, int]], block_size: int) -> None:
         """The blocks of the trial's first target needle (the one at its depth)."""
         start, end = spans[0]
-        self.blocks = torch.arange(start // block_size, (end - 1) // block_size + 1, dtype=torch.int64)
+        self.blocks = torch.arange(
+            start // block_size, (end - 1) // block_size + 1, dtype=torch.int64
+        )
         self.sight = NeedleSight()
 
     def on_choose(self, choice: LayerChoice) -> None:

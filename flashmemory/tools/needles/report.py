@@ -1,4 +1,5 @@
-"""The needle suite's report: pass rates per configuration, "exact right, tiered wrong" cases, JSON, heat maps."""
+"""The needle suite's report: pass rates per configuration, "exact right, tiered wrong" cases,
+JSON, heat maps."""
 
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ from flashmemory.tools.needles.runner import ConfigRun, TrialResult
 
 
 def regressions(baseline: ConfigRun, run: ConfigRun) -> list[tuple[TrialResult, TrialResult]]:
-    """(exact, config) result pairs of the trials exact attention answers and the configuration does not."""
-    return [(b, r) for b, r in zip(baseline.results, run.results, strict=True) if b.passed and not r.passed]
+    """(exact, config) result pairs of the trials exact attention answers and the configuration
+    does not."""
+    return [
+        (b, r)
+        for b, r in zip(baseline.results, run.results, strict=True)
+        if b.passed and not r.passed
+    ]
 
 
 def cell_rates(run: ConfigRun) -> dict[tuple[int, float], float]:
@@ -32,11 +38,16 @@ def task_rates(run: ConfigRun) -> dict[str, float]:
 
 
 def format_table(runs: list[ConfigRun]) -> str:
-    """Markdown: pass rate overall and per task, regressions against the first run, old KV read per step."""
+    """Markdown: pass rate overall and per task, regressions against the first run, old KV read
+    per step."""
     baseline = runs[0]
     tasks = list(task_rates(baseline))
-    head = ("| config | pass | " + " | ".join(tasks) + " | exact right, config wrong | config right, exact wrong "
-            "| old KV read / step | selection ms / step | s | of which haystacks s |")
+    head = (
+        "| config | pass | "
+        + " | ".join(tasks)
+        + " | exact right, config wrong | config right, exact wrong "
+        "| old KV read / step | selection ms / step | s | of which haystacks s |"
+    )
     rule = "|---|---:|" + "---:|" * len(tasks) + "---:|---:|---:|---:|---:|---:|"
     rows = []
     for run in runs:
@@ -45,21 +56,32 @@ def format_table(runs: list[ConfigRun]) -> str:
         won = sum(1 for b, r in zip(baseline.results, run.results) if r.passed and not b.passed)
         fraction = run.kv_stats.get("selection_old_read_fraction")
         ms = run.kv_stats.get("selection_ms_per_step")
-        rows.append(f"| {run.name} | {run.pass_rate:.1%} | " + " | ".join(f"{rates[t]:.0%}" for t in tasks)
-                    + f" | {lost} | {won} | {'-' if fraction is None else f'{fraction:.1%}'} | "
-                    f"{'-' if ms is None else f'{ms:.2f}'} | {run.seconds:.0f} | {run.haystack_seconds:.0f} |")
+        rows.append(
+            f"| {run.name} | {run.pass_rate:.1%} | "
+            + " | ".join(f"{rates[t]:.0%}" for t in tasks)
+            + f" | {lost} | {won} | {'-' if fraction is None else f'{fraction:.1%}'} | "
+            f"{'-' if ms is None else f'{ms:.2f}'} | {run.seconds:.0f} | "
+            f"{run.haystack_seconds:.0f} |"
+        )
     return "\n".join([head, rule, *rows])
 
 
 def format_regressions(runs: list[ConfigRun]) -> str:
-    """Every "exact right, config wrong" case: task, length, depth, expected, what the config answered."""
+    """Every "exact right, config wrong" case: task, length, depth, expected, what the config
+    answered."""
     lines = []
     for run in runs[1:]:
         for b, r in regressions(runs[0], run):
-            lines.append(f"{run.name}: {r.task} length {r.length_tokens} depth {r.depth:g} "
-                         f"expected {' '.join(r.expected)!r} got {r.answer.strip()!r} (exact: {b.answer.strip()!r})"
-                         + _sight(r.needle))
-    return "\n".join(lines) if lines else "no trial that exact attention answers is lost by any configuration"
+            lines.append(
+                f"{run.name}: {r.task} length {r.length_tokens} depth {r.depth:g} "
+                f"expected {' '.join(r.expected)!r} got {r.answer.strip()!r} "
+                f"(exact: {b.answer.strip()!r})" + _sight(r.needle)
+            )
+    return (
+        "\n".join(lines)
+        if lines
+        else "no trial that exact attention answers is lost by any configuration"
+    )
 
 
 def _sight(needle: dict[str, Any] | None) -> str:
@@ -68,8 +90,11 @@ def _sight(needle: dict[str, Any] | None) -> str:
         return ""
     if not needle["candidates"]:
         return f"; needle in {needle['level']} (read whole)"
-    return (f"; needle in {needle['level']}, chosen {needle['chosen_share']:.0%} of {needle['candidates']} "
-            f"(step, layer, head) choices, median rank {needle['median_rank']}")
+    return (
+        f"; needle in {needle['level']}, chosen {needle['chosen_share']:.0%} of "
+        f"{needle['candidates']} "
+        f"(step, layer, head) choices, median rank {needle['median_rank']}"
+    )
 
 
 def to_json(runs: list[ConfigRun], meta: dict[str, Any]) -> dict[str, Any]:
@@ -77,15 +102,33 @@ def to_json(runs: list[ConfigRun], meta: dict[str, Any]) -> dict[str, Any]:
     return {
         **meta,
         "baseline": baseline.name,
-        "configs": [{"name": run.name, "knobs": run.knobs, "pass_rate": run.pass_rate, "seconds": run.seconds,
-                     "haystack_seconds": run.haystack_seconds,
-                     "haystack_tokens_restored": run.haystack_tokens_restored,
-                     "kv_stats": run.kv_stats, "task_pass_rates": task_rates(run),
-                     "exact_right_config_wrong": [
-                         {"task": r.task, "length_tokens": r.length_tokens, "depth": r.depth, "key": r.key,
-                          "expected": r.expected, "got": r.answer, "exact_got": b.answer, "needle": r.needle}
-                         for b, r in regressions(baseline, run)],
-                     "results": [asdict(r) for r in run.results]} for run in runs],
+        "configs": [
+            {
+                "name": run.name,
+                "knobs": run.knobs,
+                "pass_rate": run.pass_rate,
+                "seconds": run.seconds,
+                "haystack_seconds": run.haystack_seconds,
+                "haystack_tokens_restored": run.haystack_tokens_restored,
+                "kv_stats": run.kv_stats,
+                "task_pass_rates": task_rates(run),
+                "exact_right_config_wrong": [
+                    {
+                        "task": r.task,
+                        "length_tokens": r.length_tokens,
+                        "depth": r.depth,
+                        "key": r.key,
+                        "expected": r.expected,
+                        "got": r.answer,
+                        "exact_got": b.answer,
+                        "needle": r.needle,
+                    }
+                    for b, r in regressions(baseline, run)
+                ],
+                "results": [asdict(r) for r in run.results],
+            }
+            for run in runs
+        ],
     }
 
 
@@ -102,7 +145,9 @@ def write_heatmaps(runs: list[ConfigRun], folder: Path) -> list[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise FlashMemoryError("heat maps need matplotlib: pip install 'flashmemory-runtime[eval]'") from e
+        raise FlashMemoryError(
+            "heat maps need matplotlib: pip install 'flashmemory-runtime[eval]'"
+        ) from e
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for run in runs:

@@ -1,4 +1,5 @@
-"""The needle suite end to end on a tiny model: trials are built and scored, and a configuration that never reads
+"""The needle suite end to end on a tiny model: trials are built and scored, and a configuration
+that never reads
 the needle's blocks is caught as "exact right, config wrong"."""
 
 from __future__ import annotations
@@ -12,19 +13,35 @@ from flashmemory.cli import main
 from flashmemory.errors import ConfigError
 from flashmemory.kvcache.read.reader import BlockReader
 from flashmemory.tools.needles import report
-from flashmemory.tools.needles.runner import BASELINE, BASELINE_KNOBS, ConfigRun, is_right, run_config
+from flashmemory.tools.needles.runner import (
+    BASELINE,
+    BASELINE_KNOBS,
+    ConfigRun,
+    is_right,
+    run_config,
+)
 from flashmemory.tools.needles.tasks import TASKS, SuiteSpec, TrialBuilder, build_trials
 from tests.helpers import write_tiny_model
 
-TEXT = ("Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do. "
-        "Once or twice she had peeped into the book her sister was reading. ") * 60
-TINY_KV = {"kv_cache": "tiered", "block_size": 8, "active_window": 16, "warm_tokens": 32,
-           "prefill_chunk_tokens": 64, "kv_precision": "fp16"}
+TEXT = (
+    "Alice was beginning to get very tired of sitting by her sister on the bank, and of having "
+    "nothing to do. "
+    "Once or twice she had peeped into the book her sister was reading. "
+) * 60
+TINY_KV = {
+    "kv_cache": "tiered",
+    "block_size": 8,
+    "active_window": 16,
+    "warm_tokens": 32,
+    "prefill_chunk_tokens": 64,
+    "kv_precision": "fp16",
+}
 
 
 @pytest.fixture(scope="module")
 def tiny_long(tmp_path_factory):
-    """A tiny random Llama that takes 1024 positions (the needle trials are a few hundred tokens)."""
+    """A tiny random Llama that takes 1024 positions (the needle trials are a few hundred
+    tokens)."""
     folder = tmp_path_factory.mktemp("tiny-needles")
     write_tiny_model(folder, "LlamaForCausalLM", max_position_embeddings=1024)
     return folder
@@ -45,11 +62,19 @@ def test_every_task_places_its_needles_where_asked(engine):
         trial = builder.build(task, 1500, 0.5, 0)
         assert abs(len(trial.token_ids) - 1500) <= 8, task
         start, end = trial.target_spans[0]
-        assert 0.3 < start / len(trial.token_ids) < 0.6, task  # the intro and question shift it a little
+        assert 0.3 < start / len(trial.token_ids) < 0.6, (
+            task
+        )  # the intro and question shift it a little
         needle = engine.tokenizer.decode(trial.token_ids[start:end])
         assert any(e in needle for e in trial.expected) or task == "vartrack", (task, needle)
-    assert builder.build("number", 600, 0.5, 0).token_ids == builder.build("number", 600, 0.5, 0).token_ids
-    assert builder.build("number", 600, 0.5, 0).token_ids != builder.build("number", 600, 0.5, 1).token_ids
+    assert (
+        builder.build("number", 600, 0.5, 0).token_ids
+        == builder.build("number", 600, 0.5, 0).token_ids
+    )
+    assert (
+        builder.build("number", 600, 0.5, 0).token_ids
+        != builder.build("number", 600, 0.5, 1).token_ids
+    )
 
 
 def test_a_trial_too_long_for_the_text_is_refused(engine):
@@ -73,9 +98,30 @@ def test_eval_needles_scores_every_config_and_writes_json_and_heatmaps(tiny_long
     text.write_text(TEXT)
     out = tmp_path / "n.json"
     knobs = ",".join(f"{k}={v}" for k, v in TINY_KV.items() if k != "kv_cache")
-    rc = main(["eval", "--needles", "--text", str(text), "--model", str(tiny_long), "--needle-tasks", "number",
-               "multikey", "--needle-lengths", "400", "--needle-depths", "0.2", "0.8", "--json", str(out),
-               "--heatmaps-dir", str(tmp_path / "maps"), "--config", f"tiny:{knobs}"])
+    rc = main(
+        [
+            "eval",
+            "--needles",
+            "--text",
+            str(text),
+            "--model",
+            str(tiny_long),
+            "--needle-tasks",
+            "number",
+            "multikey",
+            "--needle-lengths",
+            "400",
+            "--needle-depths",
+            "0.2",
+            "0.8",
+            "--json",
+            str(out),
+            "--heatmaps-dir",
+            str(tmp_path / "maps"),
+            "--config",
+            f"tiny:{knobs}",
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert f"| {BASELINE} |" in printed and "| tiny |" in printed
@@ -84,27 +130,54 @@ def test_eval_needles_scores_every_config_and_writes_json_and_heatmaps(tiny_long
     for config in data["configs"]:
         assert len(config["results"]) == 4 and 0 <= config["pass_rate"] <= 1
     assert data["configs"][1]["kv_stats"]["selection_steps"] > 0
-    assert sorted(p.name for p in (tmp_path / "maps").iterdir()) == [f"needles-{BASELINE}.png", "needles-tiny.png"]
+    assert sorted(p.name for p in (tmp_path / "maps").iterdir()) == [
+        f"needles-{BASELINE}.png",
+        "needles-tiny.png",
+    ]
 
 
-def test_lengths_that_leave_no_room_for_the_answer_are_refused_before_any_trial(tiny_long, tmp_path, capsys):
+def test_lengths_that_leave_no_room_for_the_answer_are_refused_before_any_trial(
+    tiny_long, tmp_path, capsys
+):
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
-    rc = main(["eval", "--needles", "--text", str(text), "--model", str(tiny_long), "--needle-tasks", "number",
-               "--needle-lengths", "400", "1024", "--needle-depths", "0.5"])
+    rc = main(
+        [
+            "eval",
+            "--needles",
+            "--text",
+            str(text),
+            "--model",
+            str(tiny_long),
+            "--needle-tasks",
+            "number",
+            "--needle-lengths",
+            "400",
+            "1024",
+            "--needle-depths",
+            "0.5",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "--needle-lengths 1024 leaves no room" in err and "of at most 1012" in err
     assert "trials" not in err  # nothing ran
 
 
 def _blocks_of(spans: list[tuple[int, int]], block_size: int) -> set[int]:
-    return {b for start, end in spans for b in range(start // block_size, (end - 1) // block_size + 1)}
+    return {
+        b for start, end in spans for b in range(start // block_size, (end - 1) // block_size + 1)
+    }
 
 
 def test_a_config_that_never_reads_the_needle_is_caught(engine, monkeypatch):
-    """The tiny model cannot retrieve, so each trial's right answer is what exact attention says; a selector that
+    """The tiny model cannot retrieve, so each trial's right answer is what exact attention says; a
+    selector that
     skips the needle's blocks changes that answer, and the report lists the trial."""
-    trials = list(build_trials(TrialBuilder(engine.tokenizer, TEXT), SuiteSpec(("number",), (400,), (0.3, 0.6), 2)))
+    trials = list(
+        build_trials(
+            TrialBuilder(engine.tokenizer, TEXT), SuiteSpec(("number",), (400,), (0.3, 0.6), 2)
+        )
+    )
     baseline = run_config(engine, BASELINE, BASELINE_KNOBS, trials)
     for trial, result in zip(trials, baseline.results):
         trial.expected = (result.answer,)
@@ -114,7 +187,9 @@ def test_a_config_that_never_reads_the_needle_is_caught(engine, monkeypatch):
     def choose_without_needle(self, level, plan, q, layer):
         chosen = original(self, level, plan, q, layer)
         keep = [i for i, index in enumerate(plan.indices) if index not in hidden]
-        return torch.as_tensor(keep, dtype=torch.int64).expand(chosen.shape[0], -1) if keep else chosen
+        return (
+            torch.as_tensor(keep, dtype=torch.int64).expand(chosen.shape[0], -1) if keep else chosen
+        )
 
     def run(name: str, knobs: dict) -> ConfigRun:
         total = ConfigRun(name, knobs)
@@ -127,7 +202,9 @@ def test_a_config_that_never_reads_the_needle_is_caught(engine, monkeypatch):
     exact_tiered = run_config(engine, "tiered-all", {**TINY_KV, "selection": "exact"}, trials)
     monkeypatch.setattr(BlockReader, "_choose", choose_without_needle)
     blind = run("blind", TINY_KV)
-    baseline = run_config(engine, BASELINE, BASELINE_KNOBS, trials)  # re-scored against the new expectations
+    baseline = run_config(
+        engine, BASELINE, BASELINE_KNOBS, trials
+    )  # re-scored against the new expectations
     assert baseline.pass_rate == 1.0
     assert report.regressions(baseline, exact_tiered) == []
     lost = report.regressions(baseline, blind)
