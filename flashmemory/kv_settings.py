@@ -21,8 +21,9 @@ class KVSettings:
         "tiered", "tiered (L0/L1/L2 hierarchy) or contiguous (exact baseline, one tensor per "
         "sequence)", choices=("tiered", "contiguous"))
     kv_precision: str = setting(
-        "mixed", "mixed (INT4 L0 / FP16 L1 / INT2 L2), int4 (INT4 L0 and L2) or fp16 (none)",
-        choices=("mixed", "int4", "fp16"))
+        "mixed", "bits per level: mixed (INT4 L0 / FP16 L1 / INT4 L2; int4 is the same), "
+        "int2-disk (INT4 / FP16 / INT2: the seeds' hierarchy, half the disk, the most loss at "
+        "32K: docs/long/README.md) or fp16 (none)", choices=("mixed", "int4", "int2-disk", "fp16"))
     kv_quant_range: str = setting(
         "mse", "range of each INT4/INT2 group (same stored format): mse (min/max shrunk toward "
         "its middle by the factor with the least squared error; outliers clamp), mse-values "
@@ -124,7 +125,7 @@ class KVSettings:
         "computes them again where a prefill keeps FP16; 0 = none stay in L1 (a quiet server "
         "then holds only its working set)", unit="MiB", ge=0)
     prefix_cache_disk_mb: float = setting(
-        1024.0, "disk (cold zone) the prefix cache may keep for the INT2 copies of blocks no "
+        1024.0, "disk (cold zone) the prefix cache may keep for the L2 copies of blocks no "
         "request uses; beyond it the least recently used leave the cache and their slots are "
         "reused first, so the cold-zone file stays near the working set plus this; with "
         "persist_cache, the size of the cache kept across restarts", unit="MiB", ge=0)

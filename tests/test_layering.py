@@ -159,6 +159,9 @@ TOOLS_CACHE_SURFACE = {
     "flashmemory.kvcache.config": "the cache's settings and storage dtypes",
     "flashmemory.kvcache.snapshot": "the KV snapshot file format (bench compares snapshots)",
     "flashmemory.kvcache.manager.blocks.Level": "the level names",
+    "flashmemory.kvcache.read.choice":
+        "the choice observer contract (LayerChoice): what selection chose, for tools that "
+        "watch it (the needle probe)",
 }
 # The tools that look inside the cache on purpose.
 TOOLS_CACHE_INTERNALS = {

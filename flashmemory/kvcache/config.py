@@ -17,7 +17,11 @@ from flashmemory.kvcache.manager.hierarchy import (BITS_OF, LevelSpec, as_level,
 from flashmemory.kvcache.manager.policy import PlacementPolicy
 from flashmemory.kvcache.quant import Codec
 
-PRECISIONS = {"fp16": (16, 16, 16), "int4": (4, 16, 4), "mixed": (4, 16, 2)}  # bits on L0, L1, L2
+# Bits on L0, L1, L2. "mixed" kept INT2 on L2 (the seeds' hierarchy) until INT2 there was found to
+# be the largest loss at 32K (docs/long/README.md): it is INT4 there now, the same as "int4" (kept
+# for configurations that name it); "int2-disk" is the seeds' INT4 / FP16 / INT2.
+PRECISIONS = {"fp16": (16, 16, 16), "int4": (4, 16, 4), "mixed": (4, 16, 4),
+              "int2-disk": (4, 16, 2)}
 VALUE_GROUP_CHANNELS = 32  # channels sharing one per-token scale/zero of the values (capped by head_dim)
 MIB = 2**20
 

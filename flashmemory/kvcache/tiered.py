@@ -1,5 +1,6 @@
 """TieredKVCache: KV in paged blocks over an ordered list of levels (by default L0 device INT4, L1
-host FP16, L2 disk INT2; TieredCacheConfig.hierarchy() lists them, manager/hierarchy.py says how).
+host FP16, L2 disk INT4 (INT2 with int2-disk); TieredCacheConfig.hierarchy() lists them,
+manager/hierarchy.py says how).
 
 The composition root of the hierarchy. Every full block gets an FP16 master copy in L1 when it is written, plus an
 L0 copy while it is hot (attention sinks, pinned spans, the last `active_window` tokens); where each block lives

@@ -28,9 +28,9 @@ from flashmemory.errors import ConfigError
 BASELINE = "exact-fp16"
 BASELINE_KNOBS: dict[str, Any] = {"kv_cache": "contiguous", "kv_precision": "fp16"}
 DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
-    "mixed": {"kv_cache": "tiered"},  # the defaults: INT4 L0 window 2048, FP16 L1, INT2 L2, Quest selection
+    "mixed": {"kv_cache": "tiered"},  # the defaults: INT4 L0 window 2048, FP16 L1, INT4 L2, Quest
     "mixed-warm1024": {"kv_cache": "tiered", "warm_budget_tokens": 1024},  # reads fewer L1 blocks
-    "mixed-cold": {"kv_cache": "tiered", "warm_tokens": 2048},  # pushes older KV to the INT2 disk level
+    "mixed-cold": {"kv_cache": "tiered", "warm_tokens": 2048},  # pushes older KV to the disk level
     "mixed-all-blocks": {"kv_cache": "tiered", "selection": "exact"},  # quantization alone, no selection
 }
 

@@ -14,7 +14,7 @@ class Level(IntEnum):
 
     DEVICE = 0  # L0 hot: device memory (a budgeted arena on a CPU-only host), INT4 by default
     HOST = 1  # L1 warm: host memory (pinned with CUDA), FP16
-    DISK = 2  # L2 cold: one preallocated file, INT2 by default
+    DISK = 2  # L2 cold: one preallocated file, INT4 by default (INT2 with int2-disk)
 
 
 def level_label(level: int) -> str:

@@ -60,10 +60,12 @@ ENGINES: tuple[EngineSpec, ...] = (
     EngineSpec("fm-contiguous", FLASHMEMORY, "FlashMemory, exact contiguous cache in the model dtype (the engine "
                "bench/bench_runner.py compares with transformers)", {"kv_cache": "contiguous", **_FM_COMMON},
                in_default_set=False),
-    EngineSpec("fm-int4", FLASHMEMORY, "FlashMemory tiered, kv_precision=int4 (INT4 L0 / FP16 L1 / INT4 L2), "
-               "Quest selection", {"kv_cache": "tiered", "kv_precision": "int4", **_FM_COMMON}),
-    EngineSpec("fm-mixed", FLASHMEMORY, "FlashMemory tiered, kv_precision=mixed (INT4 L0 / FP16 L1 / INT2 L2), "
-               "Quest selection (the defaults)", {"kv_cache": "tiered", "kv_precision": "mixed", **_FM_COMMON}),
+    EngineSpec("fm-int2-disk", FLASHMEMORY, "FlashMemory tiered, kv_precision=int2-disk (INT4 L0 / "
+               "FP16 L1 / INT2 L2: the seeds' hierarchy, the defaults until INT4 on L2), Quest "
+               "selection",
+               {"kv_cache": "tiered", "kv_precision": "int2-disk", **_FM_COMMON}),
+    EngineSpec("fm-mixed", FLASHMEMORY, "FlashMemory tiered, kv_precision=mixed (INT4 L0 / FP16 L1 / "
+               "INT4 L2), Quest selection (the defaults)", {"kv_cache": "tiered", "kv_precision": "mixed", **_FM_COMMON}),
     EngineSpec("fm-mixed-budget", FLASHMEMORY, "fm-mixed under max_gpu_memory_mb leaving the KV a quarter of "
                "the FP16 cache of the length (at most the fixed budget)",
                {"kv_cache": "tiered", "kv_precision": "mixed", **_FM_COMMON}, budgeted=True),

@@ -11,6 +11,7 @@ from typing import Any
 from flashmemory.config import EngineConfig
 from flashmemory.config_args import option_strings
 from flashmemory.engine.sizing import GIB, MIB, available_ram, host_budget_gb, plan_device
+from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.settings import setting_of
 from flashmemory.tools.diagnose.report import DiagnoseReport
 
@@ -120,12 +121,16 @@ def _warm_fits_in_ram(c: Context) -> Advice | None:
     else:
         change = {"warm_tokens": warm}
     read_ms = c.f.get("decode_l2_read_ms", 0.0)
-    return Advice(f"L2 holds {l2_mib:.1f} MiB (INT2, {l2.used_slots} blocks) of a {tokens}-token sequence while "
-                  f"host memory has room for it in FP16 (+{extra / MIB:.0f} MiB)", change,
-                  "the warm span is shorter than the context: older blocks go to the disk at INT2 (the lossiest "
-                  f"level) and decode steps read them back; warm_tokens={warm} keeps them in L1 (block size {bs})",
-                  f"no L2 reads: decode_l2_read_share to 0 (now {c.f.get('decode_l2_read_share', 0.0):.0%}, "
-                  f"{read_ms:.1f} ms per step), for {extra / MIB:.0f} MiB more host memory",
+    bits = c.engine.cache.codecs[Level.DISK].name.upper()
+    return Advice(f"L2 holds {l2_mib:.1f} MiB ({bits}, {l2.used_slots} blocks) of a "
+                  f"{tokens}-token sequence while host memory has room for it in FP16 "
+                  f"(+{extra / MIB:.0f} MiB)", change,
+                  f"the warm span is shorter than the context: older blocks go to the disk at "
+                  f"{bits} (the lossiest level) and decode steps read them back; "
+                  f"warm_tokens={warm} keeps them in L1 (block size {bs})",
+                  f"no L2 reads: decode_l2_read_share to 0 (now "
+                  f"{c.f.get('decode_l2_read_share', 0.0):.0%}, {read_ms:.1f} ms per step), for "
+                  f"{extra / MIB:.0f} MiB more host memory",
                   "decode_l2_read_share", 5)
 
 

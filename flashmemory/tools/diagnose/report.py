@@ -22,7 +22,7 @@ ROUTES = ("new->L0", "new->L1", "L0->L1", "L1->L2", "L1->L0")  # reported first,
 # What each level's stage holds, by the level's name (LevelStats.name); another level shows its
 # name.
 STAGE_CONTENTS = {"device": "INT4 window, sinks; FP16 rows of newest tokens",
-                  "host": "FP16 master copies", "disk": "INT2 cold file"}
+                  "host": "FP16 master copies", "disk": "INT4 cold file (INT2 with int2-disk)"}
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flashmemory.tools.needles.tasks import LAYOUTS, TASKS, SuiteSpec
+from flashmemory.tools.needles.suite import LAYOUTS, SuiteSpec
+from flashmemory.tools.needles.tasks import TASKS
 
 DEFAULTS = SuiteSpec()
 
@@ -87,7 +88,8 @@ def run_needles(
     from flashmemory.tools.needles import report
     from flashmemory.tools.needles.prefill_once import HaystackPrefill
     from flashmemory.tools.needles.runner import DEFAULT_CONFIGS, run_suite
-    from flashmemory.tools.needles.tasks import TrialBuilder, build_trials
+    from flashmemory.tools.needles.suite import build_trials
+    from flashmemory.tools.needles.tasks import TrialBuilder
 
     if args.needle_snapshot_dir and args.needle_layout != "shared":
         print(

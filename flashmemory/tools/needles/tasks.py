@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flashmemory.errors import ConfigError
@@ -364,51 +364,3 @@ class TrialBuilder:
         return NeedleTrial(
             task, length_tokens, depth, seed, ids, q.expected, ANSWER_TOKENS[task], targets
         )
-
-
-LAYOUTS = (
-    "separate",
-    "shared",
-)  # each trial its own haystack (RULER's); or one per length (needles/shared.py)
-
-
-@dataclass(frozen=True)
-class SuiteSpec:
-    """Which trials a run makes: every task x length x depth, `trials_per_cell` seeds each."""
-
-    tasks: Sequence[str] = TASKS
-    lengths_tokens: Sequence[int] = (1024, 1536)
-    depths: Sequence[float] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-    trials_per_cell: int = 1
-    seed: int = 0
-    layout: str = "separate"
-
-    @property
-    def num_trials(self) -> int:
-        return len(self.tasks) * len(self.lengths_tokens) * len(self.depths) * self.trials_per_cell
-
-
-def build_trials(builder: TrialBuilder, spec: SuiteSpec) -> Iterator[NeedleTrial]:
-    for task in spec.tasks:
-        if task not in TASKS:
-            raise ConfigError(f"unknown needle task {task!r}; choose from {', '.join(TASKS)}")
-    if spec.layout not in LAYOUTS:
-        raise ConfigError(
-            f"unknown needle layout {spec.layout!r}; choose from {', '.join(LAYOUTS)}"
-        )
-    if spec.layout == "shared":
-        from flashmemory.tools.needles.shared import build_shared
-
-        for length in spec.lengths_tokens:
-            for i in range(spec.trials_per_cell):
-                yield from build_shared(
-                    builder, spec.tasks, length, spec.depths, spec.seed * 1000 + i
-                )
-        return
-    for length in spec.lengths_tokens:
-        for task in spec.tasks:
-            # Deepest first: each trial then shares its haystack up to its own needle with the one
-            # before.
-            for depth in sorted(spec.depths, reverse=True):
-                for i in range(spec.trials_per_cell):
-                    yield builder.build(task, length, depth, spec.seed * 1000 + i)

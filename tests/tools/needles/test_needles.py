@@ -20,7 +20,8 @@ from flashmemory.tools.needles.runner import (
     is_right,
     run_config,
 )
-from flashmemory.tools.needles.tasks import TASKS, SuiteSpec, TrialBuilder, build_trials
+from flashmemory.tools.needles.suite import SuiteSpec, build_trials
+from flashmemory.tools.needles.tasks import TASKS, TrialBuilder
 from tests.helpers import write_tiny_model
 
 TEXT = (

@@ -18,14 +18,13 @@ from flashmemory.tools.needles.prefill_once import HaystackPrefill, keep_knobs
 from flashmemory.tools.needles.probe import NeedleProbe
 from flashmemory.tools.needles.runner import BASELINE, BASELINE_KNOBS, run_config, run_suite
 from flashmemory.tools.needles.shared import build_shared
+from flashmemory.tools.needles.suite import SuiteSpec, build_trials
 from flashmemory.tools.needles.tasks import (
     TALLY_REST,
     TALLY_TOP,
     TASKS,
     Draws,
-    SuiteSpec,
     TrialBuilder,
-    build_trials,
     make_question,
 )
 from flashmemory.tools.needles.vocabulary import WORDS
