@@ -49,7 +49,7 @@ def test_fp16_exact_selection_equals_contiguous_on_smollm2(smollm2_path, alice_t
                  cold_zone_gb=0.1)
     tiered = FlashMemoryEngine(model_path=str(smollm2_path), kv_precision="fp16", selection="exact", **small)
     exact = FlashMemoryEngine(model_path=str(smollm2_path), kv_cache="contiguous", kv_precision="fp16",
-                              dtype="float64", prefill_chunk_tokens=128)  # the same chunks: see above
+                              dtype="float64", prefill_chunk_tokens=128)  # the same chunks
     ids = tiered.tokenizer.encode(alice_text[3000:6000])[:300]
     ours = _teacher_forced_logits(tiered, ids, prefill=290)
     reference = _teacher_forced_logits(exact, ids, prefill=290)
