@@ -94,35 +94,21 @@ def test_default_run_has_at_least_100_trials():
     assert SuiteSpec().num_trials >= 100
 
 
-def test_eval_needles_scores_every_config_and_writes_json_and_heatmaps(tiny_long, tmp_path, capsys):
+def _eval_needles(model, tmp_path, *flags: str) -> int:
+    """`flashmemory eval --needles` on TEXT (written under tmp_path) and the model, with `flags`."""
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
+    return main(["eval", "--needles", "--text", str(text), "--model", str(model), *flags])
+
+
+def test_eval_needles_scores_every_config_and_writes_json_and_heatmaps(tiny_long, tmp_path, capsys):
     out = tmp_path / "n.json"
     knobs = ",".join(f"{k}={v}" for k, v in TINY_KV.items() if k != "kv_cache")
-    rc = main(
-        [
-            "eval",
-            "--needles",
-            "--text",
-            str(text),
-            "--model",
-            str(tiny_long),
-            "--needle-tasks",
-            "number",
-            "multikey",
-            "--needle-lengths",
-            "400",
-            "--needle-depths",
-            "0.2",
-            "0.8",
-            "--json",
-            str(out),
-            "--heatmaps-dir",
-            str(tmp_path / "maps"),
-            "--config",
-            f"tiny:{knobs}",
-        ]
-    )
+    rc = _eval_needles(
+        tiny_long, tmp_path, "--needle-tasks", "number", "multikey", "--needle-lengths", "400",
+        "--needle-depths", "0.2", "0.8", "--json", str(out),
+        "--heatmaps-dir", str(tmp_path / "maps"), "--config", f"tiny:{knobs}",
+    )  # fmt: skip
     assert rc == 0
     printed = capsys.readouterr().out
     assert f"| {BASELINE} |" in printed and "| tiny |" in printed
@@ -140,25 +126,10 @@ def test_eval_needles_scores_every_config_and_writes_json_and_heatmaps(tiny_long
 def test_lengths_that_leave_no_room_for_the_answer_are_refused_before_any_trial(
     tiny_long, tmp_path, capsys
 ):
-    text = tmp_path / "t.txt"
-    text.write_text(TEXT)
-    rc = main(
-        [
-            "eval",
-            "--needles",
-            "--text",
-            str(text),
-            "--model",
-            str(tiny_long),
-            "--needle-tasks",
-            "number",
-            "--needle-lengths",
-            "400",
-            "1024",
-            "--needle-depths",
-            "0.5",
-        ]
-    )
+    rc = _eval_needles(
+        tiny_long, tmp_path, "--needle-tasks", "number", "--needle-lengths", "400", "1024",
+        "--needle-depths", "0.5",
+    )  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 2 and "--needle-lengths 1024 leaves no room" in err and "of at most 1012" in err
     assert "trials" not in err  # nothing ran
