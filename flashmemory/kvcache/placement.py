@@ -126,7 +126,9 @@ class Placement:
         base = min(lv for lv in block.slots if lv != HOT)
         missing = (lv for lv in wanted if lv < base and lv not in block.slots)
         for level in sorted(missing, reverse=True):
-            if level == HOT:
+            if level == MASTER and block.kept_master_slot is not None:
+                self.blocks.unkeep_master(block, into_slots=True)  # its own master, not a decode
+            elif level == HOT:
                 self.promote_to_device(seq_id, index)
             else:
                 self._restore_to(seq_id, index, level)
@@ -151,10 +153,17 @@ class Placement:
             budget = self.cached_slots[level]
             if budget is None or level not in self.levels:
                 continue
-            excess = cache.unused_copies()[level] - budget
+            excess = self.cached_copies(level) - budget
             for _ in range(max(0, excess)):
-                if not self._evict_cached(level):
+                if not (self._evict_cached(level) or level == MASTER and self._drop_kept_master()):
                     break
+
+    def cached_copies(self, level: int) -> int:
+        """Copies on `level` only the prefix cache wants: unused blocks' copies, and on L1 the
+        masters kept for live blocks that read a copy below."""
+        cache = self.blocks.prefix_cache
+        unused = cache.unused_copies()[level] if cache is not None else 0
+        return unused + (len(self.blocks.kept_masters) if level == MASTER else 0)
 
     def demote_sequence(self, seq_id: int) -> int:
         """Drop every L0 copy of the sequence's blocks, pinned ones included (preemption under
@@ -224,6 +233,8 @@ class Placement:
         slot = self.blocks.allocate(level)
         while slot is None and self._evict_cached(level):
             slot = self.blocks.allocate(level)
+        while slot is None and level == MASTER and self._drop_kept_master():
+            slot = self.blocks.allocate(level)
         if slot is None:
             self._make_room(level)
             slot = self.blocks.allocate(level)
@@ -280,8 +291,7 @@ class Placement:
         block = self.blocks.tables[seq_id].blocks[index]
         level = block.primary
         if target in block.slots:
-            self._detach(seq_id, index, level)
-            self._dropped(block, level)
+            self._leave(seq_id, index, level)
             return
         slot = self.allocate(target)
         k, v = self._decoded(block, level)
@@ -292,13 +302,43 @@ class Placement:
             self.blocks.allocators[target].free(slot)  # the block stays where it was
             raise
         self.blocks.attach(seq_id, index, target, slot)
-        self._detach(seq_id, index, level)
-        self._dropped(block, level)
+        self._leave(seq_id, index, level)
         self._count(route(level, target), storage.bytes_per_slot)
 
-    def _dropped(self, block: BlockEntry, level: int) -> None:
+    def _leave(self, seq_id: int, index: int, level: int) -> None:
+        """The block's sequences stop reading its copy on `level`. A named block's L1 master is
+        kept for the prefix cache while L1's cached budget allows (the answer's growth ages the
+        prompt's oldest L1 blocks onto L2: without it the same prompt again would compute them
+        and everything after them again); otherwise it is freed."""
+        block = self.blocks.tables[seq_id].blocks[index]
+        if level == MASTER and self._may_keep_master(block):
+            self.blocks.keep_master(block)
+            return
+        self._detach(seq_id, index, level)
         if level == MASTER:
             self._lost_master(block)
+
+    def _may_keep_master(self, block: BlockEntry) -> bool:
+        cache = self.blocks.prefix_cache
+        named = block.block_hash is not None and cache is not None
+        if not named or cache.index.get(block.block_hash) is not block:
+            return False
+        budget = self.cached_slots.get(MASTER)
+        if budget is None or self.cached_copies(MASTER) < budget:
+            return True
+        # Full: the least recently used unused block's L1 copy gives way (a live block is newer).
+        return budget > 0 and self._evict_cached(MASTER) and self.cached_copies(MASTER) < budget
+
+    def _drop_kept_master(self) -> bool:
+        """Free the oldest kept L1 slot (room for live blocks comes first); False when none is
+        kept."""
+        block = self.blocks.oldest_kept_master()
+        if block is None:
+            return False
+        for level, slot in self.blocks.unkeep_master(block):
+            self.levels[level].free(slot)
+        self._lost_master(block)
+        return True
 
     def _lost_master(self, block: BlockEntry) -> None:
         """The block's L1 copy is gone: unless a copy it keeps is as precise (an FP16 level below),

@@ -188,6 +188,9 @@ class TieredKVCache(KVCache):
                 self.prefix_cache.drop_bad(entry, error.reason)
                 blame_sequence(error, seq_id)
                 raise
+        # Blocks with their FP16 master and a copy below read the one a fresh prefill would read
+        # now.
+        self.placement.place(seq_id)
         # The sink and newest reused blocks go into the row as a prefill would have left them (FP16, read there).
         sinks = min(len(found), self.rows.sink // self.cfg.block_size)
         recent = found[max(sinks, len(found) - self.rows.recent // self.cfg.block_size) :] if self.rows.recent else []

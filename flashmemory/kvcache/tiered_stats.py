@@ -17,7 +17,7 @@ def tiered_stats(cache: TieredCache) -> KVStats:
     seqs = cache.seqs.values()
     moved = cache.placement.bytes_moved.items()
     # As vLLM counts them: cached blocks nobody uses are free (evicted on demand), reported apart.
-    cached = cache.prefix_cache.unused_copies() if cache.prefix_cache is not None else {}
+    cached = {level: cache.placement.cached_copies(level) for level in cache.levels}
     stats = KVStats(len(cache.seqs), sum(s.num_tokens for s in seqs),
                     levels=[_level_stats(cache, level, cached) for level in cache.levels],
                     selection=cache.reader.selection_stats(s.digest for s in seqs),

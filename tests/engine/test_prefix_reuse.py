@@ -83,3 +83,31 @@ def test_blocks_pushed_out_of_l1_are_computed_again_not_read_at_int2(tiny_llama,
     finally:
         cached.close()
         plain.close()
+
+
+def test_the_same_long_prompt_again_reuses_blocks_its_answer_aged_onto_l2(tiny_llama, tmp_path):
+    """The answer's growth ages the prompt's oldest L1 blocks onto L2. Their FP16 masters are kept
+    for the prefix cache, so the same prompt again reuses every full block instead of computing the
+    L1 part again."""
+    knobs = dict(LEVELS, prefill_chunk_tokens=LEVELS["block_size"], active_window=16,
+                 warm_tokens=32)
+    cached = FlashMemoryEngine(model_path=str(tiny_llama), cold_zone_dir=str(tmp_path / "a"),
+                               **knobs)
+    plain = FlashMemoryEngine(model_path=str(tiny_llama), cold_zone_dir=str(tmp_path / "b"),
+                              prefix_caching=False, **knobs)
+    try:
+        question = DOCUMENT + " Question: who was tired?"
+        n = len(cached.tokenizer.encode(question))
+        # it reaches L2
+        assert n > knobs["active_window"] + knobs["warm_tokens"] + 4 * LEVELS["block_size"]
+        want = plain.generate(question, max_new_tokens=24, ignore_eos=True)
+        assert cached.generate(question, max_new_tokens=24, ignore_eos=True) == want
+        assert cached.generate(question, max_new_tokens=24, ignore_eos=True) == want
+        stats = cached.stats()
+        assert stats["prefix_cache_lossy_refusals"] == 0
+        assert stats["prefix_cache_hits"] >= (n - 1) // LEVELS["block_size"] * LEVELS["block_size"]
+        # every kept slot went back to its block on release
+        assert not cached.cache.blocks.kept_masters
+    finally:
+        cached.close()
+        plain.close()

@@ -27,6 +27,7 @@ KV = dict(
     selection="exact",
     max_num_seqs=4,
     recent_fp16_tokens=0,
+    prefix_cache_host_mb=0,  # no L1 room for cached blocks: a document's head waits on L2 only
 )
 DOCUMENT = "Alice was beginning to get very tired of sitting by her sister on the bank " * 3
 QUESTION = DOCUMENT + "What was Alice doing?"

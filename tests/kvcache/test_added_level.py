@@ -59,8 +59,9 @@ def test_a_fourth_level_is_one_medium_file_and_a_registry_line(backend, monkeypa
 
 def test_a_reused_prefix_comes_back_from_the_added_level(monkeypatch, tmp_path):
     dict_store.register(monkeypatch)
+    # No L1 room for cached blocks: their FP16 masters are not kept, so the store is what is left.
     cache = TieredKVCache(tiny_config(kv_levels=FOUR_LEVELS, kv_precision="fp16",
-                                      cold_zone_dir=str(tmp_path)))
+                                      cold_zone_dir=str(tmp_path), prefix_cache_host_mb=0))
     try:
         seq, tokens = SyntheticSequence(1, 120), list(range(120))
         cache.add_sequence(1)

@@ -156,11 +156,11 @@ def test_cached_blocks_give_way_to_live_ones_and_move_to_disk_first(tmp_path):
     assert stats["L1_prefix_evicted_blocks"] > 0 and stats["prefix_cache_blocks"] > 8  # kept, on disk
     assert len(cache.prefix_cache.match(list(range(97)), count=False)) == 12  # every block is still cached
     cache.add_sequence(3)
-    # The newest gave its L1 copy up for an INT2 one (the tail goes first): it is computed again, not read at INT2.
-    # Computing it reads the 4 blocks before it in FP16 (window + warm tokens), and block 7 of those only has its INT2
-    # copy (it aged into L2), so the prefix ends earlier, and so on down: only the sink block is reused here, where
-    # window + warm is 4 blocks (by default it is 18K tokens).
-    assert cache.reuse_prefix(3, list(range(97))) == 8
+    # The newest gave their L1 copies up (the tail goes first): they are computed again, not read at
+    # INT4. Computing them reads the 4 blocks before them in FP16 (window + warm tokens), so the
+    # prefix ends 4 blocks earlier. The blocks that aged into L2 while the sequence was live kept
+    # their FP16 masters for the cache.
+    assert cache.reuse_prefix(3, list(range(97))) == 32
     assert cache.stats()["prefix_cache_lossy_refusals"] == 1
     cache.close()
 
@@ -177,14 +177,14 @@ def test_unused_cached_blocks_keep_host_memory_within_their_budget_and_wait_on_d
         assert stats["L1_cached_blocks"] <= 3  # the budget holds after every request
     assert stats["L2_cached_blocks"] > 0  # the rest wait on disk, still cached
     assert len(cache.prefix_cache.match(list(range(0, 49)), count=False)) == 6
-    # The first request's blocks all gave their L1 copy up for INT2 ones, and a fresh 48-token prompt keeps its sink
-    # and newest blocks in L1: none is reused (reading them at INT2 is what a fresh run would not do). The last
-    # request's tail went first; computing it again reads block 1 (aged into L2) in FP16 in a fresh run, so only
-    # its sink block is reused.
+    # The first request's blocks all gave their L1 copy up for INT4 ones, and a fresh 48-token
+    # prompt keeps its sink and newest blocks in L1: none is reused (reading them at INT4 is what a
+    # fresh run would not do). The last request's tail went first: its first 3 blocks keep their
+    # FP16 masters (the budget), block 1 included, which aged into L2 while the sequence was live.
     cache.add_sequence(9)
     assert cache.reuse_prefix(9, list(range(0, 49))) == 0
     cache.add_sequence(10)
-    assert cache.reuse_prefix(10, list(range(3000, 3049))) == 8
+    assert cache.reuse_prefix(10, list(range(3000, 3049))) == 24
     cache.close()
 
 
@@ -204,8 +204,9 @@ def test_blocks_holding_approximately_decoded_tokens_are_not_offered_for_reuse(p
     reusable = 60 // 8 if precision == "fp16" else 2  # exact decode: every full block; approximate: the prefilled
     assert cache.stats()["prefix_cache_blocks"] == reusable
     cache.add_sequence(2)
-    # Mixed: block 1 aged into INT2 L2 and the prefill after it would read it in FP16, so only the sink block is reused.
-    assert cache.reuse_prefix(2, tokens) == (reusable * 8 if precision == "fp16" else 8)
+    # Mixed: block 1 aged into L2 while the sequence was live; its FP16 master was kept for the
+    # cache, so both prefilled blocks are reused.
+    assert cache.reuse_prefix(2, tokens) == reusable * 8
     cache.close()
 
 
@@ -245,4 +246,31 @@ def test_the_32k_models_geometry_is_exact_over_three_levels_with_its_auto_block_
     outputs = [seq.forward(cache, 0, 200)] + [seq.forward(cache, t, t + 1) for t in range(200, 300)]
     assert (torch.cat(outputs, dim=1).double() - seq.reference(0, 300)).abs().max() <= 1e-4
     assert cache.stats()["bytes_moved_L1->L2"] > 0
+    cache.close()
+
+
+def test_masters_kept_for_the_cache_give_way_when_live_blocks_need_l1(tmp_path):
+    # Window 2 blocks, L1 2 blocks: of 10 full blocks, 5 age into L2 while the sequence is live and
+    # keep their L1 masters for the cache, beside the 5 L1 copies it reads (sink, window, warm). A
+    # second sequence's 8 new blocks take 2 of those slots back.
+    cache = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path), host_slots=16))
+    cache.add_sequence(1)
+    first = SyntheticSequence(1, 81)
+    for start in range(0, 81, 16):  # chunks of 2 blocks: each commit moves the oldest down
+        _forward_with_tokens(first, cache, list(range(81)), start, min(start + 16, 81))
+    kept = list(cache.blocks.kept_masters.values())
+    # the sequence reads their L2 copies
+    assert len(kept) == 5 and all(Level.HOST not in b.slots for b in kept)
+    # free for the taking, as unused cached blocks are
+    assert cache.kv_stats().level("L1").cached_blocks == 5
+    cache.add_sequence(2)
+    _forward_with_tokens(SyntheticSequence(2, 64, seed=1), cache, list(range(500, 564)), 0, 64)
+    lost = [b.master_lost for b in kept]
+    assert any(lost) and lost == sorted(lost, reverse=True)  # some gave way, the oldest first
+    assert all(b.kept_master_slot is None for b, gone in zip(kept, lost) if gone)
+    cache.free_sequence(1)
+    cache.free_sequence(2)
+    assert not cache.blocks.kept_masters
+    held = sum(len(b.slots) for b in cache.prefix_cache.index.values())
+    assert held == sum(a.num_used for a in cache.blocks.allocators.values())  # no slot leaked
     cache.close()

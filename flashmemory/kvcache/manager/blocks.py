@@ -82,6 +82,10 @@ class BlockEntry:
     # an L1 copy decoded back included, is less precise than a fresh prefill's. Blocks read back from a previous
     # process's L2 file (persist_cache) are not marked: reusing their L2 copies is what that setting is for.
     master_lost: bool = False
+    # Its L1 slot, kept for the prefix cache after the block aged onto a level below in a live
+    # sequence (which reads that copy now): on release the block is cached with its FP16 master
+    # again, so the same prompt once more reuses it instead of computing it again.
+    kept_master_slot: int | None = None
 
     @property
     def primary(self) -> Level:
@@ -128,6 +132,8 @@ class BlockManager:
         self.allocators = {level: SlotAllocator(n) for level, n in num_slots.items()}
         self.tables: dict[int, BlockTable] = {}
         self.prefix_cache = prefix_cache
+        # id -> block with a kept L1 slot, oldest first
+        self.kept_masters: dict[int, BlockEntry] = {}
 
     def add_sequence(self, seq_id: int) -> BlockTable:
         if seq_id in self.tables:
@@ -157,13 +163,38 @@ class BlockManager:
                 continue
             cache = self.prefix_cache
             if cache is not None and block.block_hash is not None and cache.index.get(block.block_hash) is block:
+                released.extend(self.unkeep_master(block, into_slots=True))
                 cache.release(block)
                 continue
+            released.extend(self.unkeep_master(block))
             for level, slot in block.slots.items():
                 self.allocators[level].free(slot)
                 released.append((level, slot))
             block.slots.clear()
         return released
+
+    def keep_master(self, block: BlockEntry) -> None:
+        """Take the block's L1 copy out of what its sequences read, holding the slot for the prefix
+        cache (see BlockEntry.kept_master_slot)."""
+        block.kept_master_slot = block.slots.pop(Level.HOST)
+        self.kept_masters[id(block)] = block
+
+    def unkeep_master(self, block: BlockEntry, into_slots: bool = False) -> list[tuple[Level, int]]:
+        """End the block's kept L1 slot: back among its copies (`into_slots`, when it has no other
+        L1 copy), else freed; returns the (level, slot) pairs freed."""
+        slot = block.kept_master_slot
+        if slot is None:
+            return []
+        block.kept_master_slot = None
+        del self.kept_masters[id(block)]
+        if into_slots and Level.HOST not in block.slots:
+            block.slots[Level.HOST] = slot
+            return []
+        self.allocators[Level.HOST].free(slot)
+        return [(Level.HOST, slot)]
+
+    def oldest_kept_master(self) -> BlockEntry | None:
+        return next(iter(self.kept_masters.values()), None)
 
     def share(self, seq_id: int, block: BlockEntry) -> int:
         """Append an existing (cached or shared) block to the sequence's table; returns its index."""
