@@ -58,6 +58,11 @@ class KVSettings:
         "(a tighter bound than one box over the block; the digests, kept in host memory, grow "
         "with the boxes: 4-key boxes take about a quarter of the FP16 KV's bytes); 0 = one box "
         "per block; must divide block_size", unit="tokens", ge=0)
+    selection_rescore_factor: float = setting(
+        1.0, "L1 blocks a decode step scores from their FP16 keys per block it reads: the bounds "
+        "pick this many times the budget, the keys' attention mass picks the budget among them "
+        "(a two-pass read: the keys of the extra blocks are read, not their values); 1 = the "
+        "bounds alone pick", unit="ratio", ge=1, le=8)
     selection_prompt_tokens: int = setting(
         128, "per layer and KV head, tokens of L1 and of L2 blocks that the prompt's last tokens "
         "point to, read at every decode step of the answer (within the budget; 0 = off)",
@@ -120,7 +125,8 @@ class KVSettings:
         "request ends", flags=("--no-prefix-caching",))
     prefix_cache_host_mb: float = setting(
         256.0, "host memory the prefix cache may keep for the FP16 copies of blocks no request "
-        "uses (an 8K-token SmolLM2 document's are 184 MB); beyond it the least recently used (a "
+        "uses (an 8K-token SmolLM2 document's are 184 MB), and of live requests' blocks that aged "
+        "onto L2 (so the same prompt again reuses them); beyond it the least recently used (a "
         "prefix's tail first) leave L1, written to L2 first when there is one, and a prompt "
         "computes them again where a prefill keeps FP16; 0 = none stay in L1 (a quiet server "
         "then holds only its working set)", unit="MiB", ge=0)

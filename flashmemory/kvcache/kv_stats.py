@@ -111,7 +111,10 @@ class SelectionStats:
     """Query-aware selection over the levels below L0 (per level: in LevelStats)."""
 
     selection_steps: int  # decode steps that chose among old blocks
-    selection_old_read_fraction: float
+    selection_old_read_fraction: float  # old blocks attended, over those held
+    # Old blocks whose keys a decode step read, over those held: the attended ones and, with
+    # selection_rescore_factor, the extra candidates of the second pass (keys only).
+    selection_old_keys_read_fraction: float
     selection_ms_per_step: float
     selection_digest_bytes_per_token: float
     selection_digest_bytes: int

@@ -120,6 +120,17 @@ class TensorPool:
         records = self.storage[layer].view(heads * physical, self.record_bytes).index_select(0, flat)
         return self._parts(records.view(heads, n, self.record_bytes))
 
+    def get_layer_keys_per_head(self, slots: torch.Tensor, layer: int) -> torch.Tensor:
+        """The keys alone of an FP16 pool's blocks, each KV head its own slots: slots [heads, n] ->
+        [heads, n, block_size, head_dim] fp16 (the values' bytes are not read)."""
+        offset, size, (_, tokens, head_dim), dtype = self.layout["kv"]  # K then V
+        heads, n = slots.shape
+        physical = self.storage.shape[2]
+        flat = (slots + torch.arange(heads, device=slots.device)[:, None] * physical).flatten()
+        records = self.storage[layer].view(heads * physical, self.record_bytes)
+        keys = records[:, offset : offset + size // 2].index_select(0, flat)
+        return keys.view(dtype).view(heads, n, tokens, head_dim)
+
     def get_block(self, slot: int) -> Parts:
         """All layers of one slot: [num_layers, num_kv_heads, ...] (views)."""
         return self._parts(self.storage[:, :, slot])

@@ -25,7 +25,8 @@ from flashmemory.kvcache.quant import Codec, Parts
 from flashmemory.kvcache.read.choice import ChoiceObserver, LayerChoice
 from flashmemory.kvcache.read.hints import boost_hints, prompt_hints
 from flashmemory.kvcache.read.plan import LevelPlan, plan_reads, primary_copy
-from flashmemory.kvcache.read.selection import DIGEST_DTYPE, block_scores, select_blocks, top_blocks
+from flashmemory.kvcache.read.selection import (DIGEST_DTYPE, block_scores, rescore_blocks,
+                                                select_blocks, top_blocks)
 from flashmemory.kvcache.sequence_state import SequenceKV
 
 
@@ -70,6 +71,7 @@ class BlockReader:
         # layers.
         self.selected_blocks = {level: 0 for level in levels if level != Level.DEVICE}
         self.candidate_blocks = {level: 0 for level in levels if level != Level.DEVICE}
+        self.keys_read_blocks = {level: 0 for level in levels if level != Level.DEVICE}
         self.selection_steps = 0  # decode steps that chose among old blocks (counted by the cache, at layer 0)
         self.selection_seconds = 0.0  # spent scoring and choosing, summed over steps, layers and levels
         self._devices = {level: (lvl.device if isinstance(lvl, TensorPool) else torch.device("cpu"))
@@ -156,21 +158,27 @@ class BlockReader:
         return [part.view(t.shape) for part, t in zip(parts, tensors)]
 
     def _choose(self, level: Level, plan: LevelPlan, q: torch.Tensor, layer: int) -> torch.Tensor:
-        budget = self.budget(level, len(plan.indices))
-        self.candidate_blocks[level] += len(plan.indices)
+        n = len(plan.indices)
+        budget = self.budget(level, n)
+        self.candidate_blocks[level] += n
         self.selected_blocks[level] += budget
+        picked = self._rescored_count(level, n, budget)  # what the bounds pick
+        self.keys_read_blocks[level] += picked
         hints = plan.hints.get(layer) if plan.hints else None
         digest = plan.digest[layer]  # [heads, n, boxes * 2 * head_dim] (DIGEST_DTYPE)
         chosen = None
         if self.selection_kernel is not None:
             scores = digest.new_empty(digest.shape[:2], dtype=torch.float32) if self.observers else None
-            chosen = self.selection_kernel.select(q[0], digest, budget, None if hints is None else _index_tensor(plan),
-                                                  hints, scores)
+            indices = None if hints is None else _index_tensor(plan)
+            chosen = self.selection_kernel.select(q[0], digest, picked, indices, hints, scores)
         if chosen is None:
-            if not self.observers and hints is None:
+            if not self.observers and hints is None and picked == budget:
                 return select_blocks(q[0], digest, budget)
             scores = block_scores(q[0], digest)  # [heads, n]: observers see the scores behind the choice
-            chosen = top_blocks(scores if hints is None else boost_hints(scores, _index_tensor(plan), hints), budget)
+            boosted = scores if hints is None else boost_hints(scores, _index_tensor(plan), hints)
+            chosen = top_blocks(boosted, picked)
+        if picked > budget:
+            chosen = self._rescore(level, plan, q[0], layer, chosen, budget, hints)
         if not self.observers:
             return chosen
         heads = scores.shape[0]
@@ -180,6 +188,29 @@ class BlockReader:
         for observer in self.observers:
             observer.on_choose(choice)
         return chosen
+
+    def _rescored_count(self, level: Level, num_candidates: int, budget: int) -> int:
+        """Blocks the bounds pick for a two-pass read (selection_rescore_factor): only on a level
+        whose FP16 keys are in memory (L1), else the budget itself."""
+        factor = self.cfg.selection_rescore_factor
+        pool = self.memory_pool(level)
+        if factor <= 1 or pool is None or self.codecs[level].bits != 16:
+            return budget
+        return min(num_candidates, max(budget, int(budget * factor)))
+
+    def _rescore(self, level: Level, plan: LevelPlan, q: torch.Tensor, layer: int,
+                 candidates: torch.Tensor, budget: int, hints: torch.Tensor | None) -> torch.Tensor:
+        """The second pass: the candidates' FP16 keys [heads, c] (positions into the plan) read, the
+        `budget` with the most attention kept (hinted blocks always)."""
+        pool = self.memory_pool(level)
+        assert pool is not None
+        slots = plan.slot_tensor[candidates.to(pool.device)]
+        keys = pool.get_layer_keys_per_head(slots, layer).to(q.device)  # [heads, c, bs, head_dim]
+        keep = None
+        if hints is not None:
+            logical = _index_tensor(plan).to(candidates.device)[candidates]  # [heads, c]
+            keep = (logical[:, :, None] == hints.to(candidates.device)[:, None, :]).any(dim=-1)
+        return candidates.gather(1, rescore_blocks(q, keys, budget, keep))
 
     def prompt_hints(self, plan: LevelPlan, q: torch.Tensor, layer: int) -> torch.Tensor | None:
         """At a prefill chunk, the old blocks its last queries point to: [num_kv_heads, k] logical indices, k from
@@ -263,6 +294,8 @@ class BlockReader:
         return SelectionStats(
             selection_steps=steps,
             selection_old_read_fraction=selected / candidates if candidates else 0.0,
+            selection_old_keys_read_fraction=(sum(self.keys_read_blocks.values()) / candidates
+                                              if candidates else 0.0),
             selection_ms_per_step=self.selection_seconds / steps * 1e3 if steps else 0.0,
             # centre and radius per channel, box, layer and KV head (DIGEST_DTYPE): per token of history, held now
             selection_digest_bytes_per_token=cfg.num_layers * cfg.num_kv_heads * 2 * cfg.head_dim

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from flashmemory.kvcache.read.selection import block_scores, key_digest, select_blocks
+from flashmemory.kvcache.read.selection import (block_scores, key_digest, rescore_blocks,
+                                                select_blocks)
 
 
 def test_block_holding_the_best_matching_key_is_always_selected():
@@ -47,3 +48,22 @@ def test_a_block_with_boxes_scores_as_its_best_box_and_never_above_one_box():
     exact = torch.einsum("hgd,hbtd->hbtg", q.view(2, 3, 32), keys).amax(dim=(-1, -2))
     assert bool((exact <= four_boxes + 1e-4).all())
     assert key_digest(keys, 4).shape == (2, 12, 4 * 2 * 32) and key_digest(keys, 16).shape == (2, 12, 64)
+
+
+def test_the_second_pass_keeps_the_blocks_with_the_most_attention_mass():
+    torch.manual_seed(3)
+    keys = torch.randn(2, 10, 8, 16) * 0.1  # [kv heads, candidates, tokens, D]
+    q = torch.randn(4, 16)  # 2 query heads per KV head
+    # Candidate 2: one key a little aligned. Candidate 6: every key aligned, less each: more mass in
+    # all.
+    keys[:, 2, 0] = q.view(2, 2, 16)[:, 0] * 0.6
+    keys[:, 6] = (q.view(2, 2, 16)[:, 1] * 0.4)[:, None]
+    chosen = rescore_blocks(q, keys, budget=2)
+    logits = torch.einsum("hgd,hctd->hgct", q.view(2, 2, 16), keys) / 4
+    # [heads, c]: the weight it takes
+    mass = logits.flatten(2).softmax(-1).view(2, 2, 10, 8).sum(-1).amax(1)
+    assert torch.equal(chosen, mass.topk(2).indices.sort().values)
+    assert (chosen == 6).any(dim=1).all()
+    kept = torch.zeros(2, 10, dtype=torch.bool)
+    kept[:, 9] = True  # a prompt hint stays, whatever it scores
+    assert (rescore_blocks(q, keys, 2, kept) == 9).any(dim=1).all()
