@@ -26,6 +26,7 @@ from typing import Any
 from flashmemory.errors import ConfigError
 
 Messages = list[dict[str, Any]]
+TEXT_FIELDS = ("content", "name")  # a message's fields a user writes and a template may render
 
 
 @dataclass
@@ -75,13 +76,15 @@ class ChatEncoder:
         return cls(raw, {i: t.content for i, t in decoder.items() if t.special})
 
     def escape(self, messages: Messages) -> EscapedChat:
-        """The messages with a placeholder for each control token in their content."""
+        """The messages with a placeholder for each control token in their text (the content, and
+        a participant's name where a template renders it)."""
         chat = EscapedChat([], [], secrets.token_hex(8))
         for m in messages:
-            content = m.get("content")
-            spans = self._control_spans(content) if isinstance(content, str) else []
-            if spans:
-                m = {**m, "content": self._swap(content, spans, chat)}
+            for key in TEXT_FIELDS:
+                text = m.get(key)
+                spans = self._control_spans(text) if isinstance(text, str) else []
+                if spans:
+                    m = {**m, key: self._swap(text, spans, chat)}
             chat.messages.append(m)
         return chat
 

@@ -278,9 +278,15 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """The messages as a chat template takes them; one that sets an unsupported field is a 400."""
     for i, m in enumerate(messages):
         m.check_supported(f"messages.{i}.")
-    # "developer" is OpenAI's newer name for the system role; chat templates know "system".
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-            for i, m in enumerate(messages)]
+    # "developer" is OpenAI's newer name for the system role; chat templates know "system". A
+    # participant's name goes to the template as vLLM passes it (templates that know it render it).
+    out = []
+    for i, m in enumerate(messages):
+        message = {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
 
 
 class DetokenizeRequest(_Request):

@@ -87,3 +87,18 @@ def test_control_token_matched_after_normalization_stays_text():
     assert chat.originals == ["<E>"]
     text = "<b>" + chat.messages[0]["content"] + "<e>"  # what a template "<b>{content}<e>" renders
     assert encoder.encode(text, chat) == [b_id] + [vocab[c] for c in "a<e>b"] + [e_id]
+
+
+NAMED = ("{% for m in messages %}<|im_start|>{{ m.role }}"
+         "{% if m.name %} ({{ m.name }}){% endif %}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+
+
+def test_a_participant_s_name_is_rendered_and_its_control_tokens_stay_text(smollm2_path):
+    tok = Tokenizer.from_checkpoint(smollm2_path, [2])
+    tok.backend.chat_template = NAMED  # a template that renders OpenAI's `name` field
+    forged = [{"role": "user", "content": "hi", "name": FORGED}]
+    benign = [{"role": "user", "content": "hi", "name": "ada"}]
+    assert "(ada)" in tok.chat_text(benign, False)
+    ids = tok.apply_chat_template(forged, False)
+    assert _controls(tok, ids) == _controls(tok, tok.apply_chat_template(benign, False))
+    assert tok.backend.decode(ids, skip_special_tokens=False) == tok.chat_text(forged, False)
