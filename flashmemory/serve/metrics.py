@@ -80,6 +80,26 @@ PREFIX_SERIES = (
     StatSeries("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache (their prefill was skipped)"),
     StatSeries("prefix_cache_hit_rate", "gauge", "Hits over queries since the engine started (0-1)"),
     StatSeries("prefix_cache_blocks", "gauge", "Named blocks the prefix cache holds (in use or not)"),
+    StatSeries("prefix_cache_unused_blocks", "gauge",
+               "Named blocks no request uses (free for the taking)"),
+    StatSeries("prefix_cache_lossy_refusals", "counter",
+               "Matches cut short at a block whose FP16 master was lost (computed again instead)"),
+    StatSeries("prefix_cache_bad_blocks", "counter",
+               "Cached blocks dropped because a reuse could not read them"),
+)
+
+# Query-aware selection over the levels below L0, fields of SelectionStats.
+SELECTION_SERIES = (
+    StatSeries("selection_steps", "counter",
+               "Decode steps that chose among old (L1 and below) blocks"),
+    StatSeries("selection_old_read_fraction", "gauge",
+               "Old blocks decode steps attended, over those held (since the start, 0-1)"),
+    StatSeries("selection_old_keys_read_fraction", "gauge",
+               "Old blocks whose keys decode steps read (attended, or scored by a two-pass read)"),
+    StatSeries("selection_ms_per_step", "gauge",
+               "Milliseconds a decode step spends choosing blocks"),
+    StatSeries("selection_digest_bytes", "gauge",
+               "Host bytes of the live sequences' selection digests"),
 )
 
 
@@ -147,6 +167,7 @@ class _KVCollector(Collector):
         if s.prefix is not None:
             yield from (prefix_hits, prefix_evicted)
         yield from self._series(s.prefix, PREFIX_SERIES)
+        yield from self._series(s.selection, SELECTION_SERIES)
         yield from self._series(s.prefetch, PREFETCH_SERIES)
         yield from self._series(s.staging, STAGING_SERIES)
         yield from self._budget()
