@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from flashmemory.errors import KVSnapshotError, SessionsUnavailableError
 from flashmemory.kvcache.attention.dense import causal_attention
-from flashmemory.kvcache.interface import ForwardBatch, KVCache
+from flashmemory.kvcache.interface import ForwardBatch, KVCache, kept_tokens
 from flashmemory.kvcache.kv_stats import ContiguousStats, KVStats
 from flashmemory.kvcache.manager.capacity import KVCapacity
 
@@ -106,9 +108,9 @@ class ContiguousKVCache(KVCache):
         kv[:, 1, :, start:end] = values.to(self.device)
         self._lengths[seq_id] = end
 
-    def commit(self, batch: ForwardBatch) -> None:
+    def commit(self, batch: ForwardBatch, kept: Mapping[int, int] | None = None) -> None:
         for s in batch.slices:
-            self._lengths[s.seq_id] = s.num_cached_tokens + s.num_new_tokens
+            self._lengths[s.seq_id] = s.num_cached_tokens + kept_tokens(s, kept)
 
     def kv_stats(self) -> KVStats:
         element = torch.empty((), dtype=self.dtype).element_size()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,15 @@ class ForwardBatch:
             max_position = max(max_position, num_cached + num_new - 1)
         positions = torch.cat(ranges).to(device)
         return cls(tuple(slices), positions, max_position)
+
+
+def kept_tokens(s: SequenceSlice, kept: Mapping[int, int] | None) -> int:
+    """How many of the slice's new tokens a commit keeps (KVCache.commit's `kept`): all by
+    default."""
+    n = s.num_new_tokens if kept is None else kept.get(s.seq_id, s.num_new_tokens)
+    if not 0 <= n <= s.num_new_tokens:
+        raise ValueError(f"sequence {s.seq_id}: cannot keep {n} of {s.num_new_tokens} new tokens")
+    return n
 
 
 class KVCache(ABC):
@@ -132,8 +142,12 @@ class KVCache(ABC):
         """`attend` for one sequence's slice of the batch: q [n, num_heads, head_dim], k/v [n, num_kv_heads, head_dim]."""
 
     @abstractmethod
-    def commit(self, batch: ForwardBatch) -> None:
-        """Called once after all layers of a forward: the new tokens become part of their sequences."""
+    def commit(self, batch: ForwardBatch, kept: Mapping[int, int] | None = None) -> None:
+        """Called once after all layers of a forward: the new tokens become part of their sequences.
+
+        kept: per sequence id, how many of its new tokens stay (the first ones; a speculative
+        verification keeps the accepted draft tokens): the rest is forgotten as `rollback` forgets
+        a forward, and the sequence goes on from the last token kept. Absent: all stay."""
 
     def rollback(self, batch: ForwardBatch) -> None:
         """The forward failed before commit: forget what it stored so far (its sequences stay as they were)."""

@@ -12,6 +12,8 @@ Prefetch, when configured, plugs into the read path as a choice observer and as 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from flashmemory.errors import ColdBlockError, SessionsUnavailableError, blame_sequence, serving_sequence
@@ -19,7 +21,7 @@ from flashmemory.kvcache.attention.backend import AttentionBackend, LevelRead
 from flashmemory.kvcache.attention.registry import select_backend
 from flashmemory.kvcache.config import KV_DTYPE, TieredCacheConfig, hierarchy_codecs
 from flashmemory.kvcache.forward_plan import ForwardPlanner
-from flashmemory.kvcache.interface import ForwardBatch, KVCache, SequenceSlice
+from flashmemory.kvcache.interface import ForwardBatch, KVCache, SequenceSlice, kept_tokens
 from flashmemory.kvcache.kv_stats import KVStats
 from flashmemory.kvcache.levels.protocol import StorageLevel
 from flashmemory.kvcache.levels.registry import build_levels
@@ -293,10 +295,14 @@ class TieredKVCache(KVCache):
 
     # ---- commit -----------------------------------------------------------------------------------------------
 
-    def commit(self, batch: ForwardBatch) -> None:
+    def commit(self, batch: ForwardBatch, kept: Mapping[int, int] | None = None) -> None:
         for s in batch.slices:
+            n = kept_tokens(s, kept)
+            if n == 0:
+                self._forget_pending(s.seq_id)
+                continue
             try:
-                self._commit_one(s)
+                self._commit_one(s, n)
             except Exception as e:
                 blame_sequence(e, s.seq_id)
                 raise
@@ -306,22 +312,26 @@ class TieredKVCache(KVCache):
 
     def rollback(self, batch: ForwardBatch) -> None:
         for s in batch.slices:
-            seq = self.seqs.get(s.seq_id)
-            if seq is not None:
-                seq.pending.clear()
-                seq.plan = None
-                for observer in self.choice_observers:
-                    observer.on_step_abort(s.seq_id)
+            self._forget_pending(s.seq_id)
 
-    def _commit_one(self, s: SequenceSlice) -> None:
+    def _forget_pending(self, seq_id: int) -> None:
+        seq = self.seqs.get(seq_id)
+        if seq is not None:
+            seq.pending.clear()
+            seq.plan = None
+            for observer in self.choice_observers:
+                observer.on_step_abort(seq_id)
+
+    def _commit_one(self, s: SequenceSlice, n: int) -> None:
+        """The first `n` of the slice's new tokens join the sequence."""
         seq = self.seqs[s.seq_id]
         seq.plan = None
         bs = self.cfg.block_size
         # Every token of the sequence after this commit, while all are known (they name full blocks).
         if seq.token_ids is not None:
-            seq.token_ids = None if s.token_ids is None else seq.token_ids + list(s.token_ids)
-        new_k = torch.stack([pk for pk, _ in seq.pending])  # [L, heads, n, D]
-        new_v = torch.stack([pv for _, pv in seq.pending])
+            seq.token_ids = None if s.token_ids is None else seq.token_ids + list(s.token_ids[:n])
+        new_k = torch.stack([pk[:, :n] for pk, _ in seq.pending])  # [L, heads, n, D]
+        new_v = torch.stack([pv[:, :n] for _, pv in seq.pending])
         seq.pending.clear()
         done = self.rows.append(seq, new_k, new_v, len(self.blocks.tables[s.seq_id].blocks))
         # KV a decode step computed under approximate reads (INT4 window, selection) differs from what a prefill
@@ -333,7 +343,7 @@ class TieredKVCache(KVCache):
             self._write_block(s.seq_id, done.full_k[:, :, b * bs : (b + 1) * bs],
                               done.full_v[:, :, b * bs : (b + 1) * bs], nameable=not tainted)
         seq.filling_decoded = seq.num_partial > 0 and (decoded or (done.num_blocks == 0 and seq.filling_decoded))
-        seq.num_tokens += s.num_new_tokens
+        seq.num_tokens += n
         self.placement.place(s.seq_id)
 
     def _write_block(self, seq_id: int, k: torch.Tensor, v: torch.Tensor, nameable: bool = True) -> None:
