@@ -291,7 +291,8 @@ class TieredKVCache(KVCache):
         if seq.pending:
             raise RuntimeError(f"sequence {seq_id} has a forward in flight")  # internal: restore between forwards
         seq.pending.extend(zip(keys.to(self.cfg.device, KV_DTYPE), values.to(self.cfg.device, KV_DTYPE)))
-        self._commit_one(SequenceSlice(seq_id, 0, keys.shape[2], seq.num_tokens, tuple(token_ids)))
+        self._commit_one(SequenceSlice(seq_id, 0, keys.shape[2], seq.num_tokens, tuple(token_ids)),
+                         keys.shape[2])
 
     # ---- commit -----------------------------------------------------------------------------------------------
 
