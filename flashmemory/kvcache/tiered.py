@@ -219,8 +219,12 @@ class TieredKVCache(KVCache):
         (KV_DTYPE, on the cache's device), each from its most precise copy."""
         kv = [self.rows.arena.new_empty((2, self.cfg.num_layers, self.cfg.num_kv_heads, 0, self.cfg.head_dim))]
         for block in blocks:
-            level = self._precise_copy(block)
-            kv.append(self.codecs[level].decode(self.levels[level].read_block(block.slots[level]), KV_DTYPE))
+            if block.kept_master_slot is not None:  # its FP16 master, kept while sequences read L2
+                level, slot = Level.HOST, block.kept_master_slot
+            else:
+                level = self._precise_copy(block)
+                slot = block.slots[level]
+            kv.append(self.codecs[level].decode(self.levels[level].read_block(slot), KV_DTYPE))
         return torch.cat([t.to(self.cfg.device) for t in kv], dim=3)
 
     def _precise_copy(self, block: BlockEntry) -> int:

@@ -274,3 +274,21 @@ def test_masters_kept_for_the_cache_give_way_when_live_blocks_need_l1(tmp_path):
     held = sum(len(b.slots) for b in cache.prefix_cache.index.values())
     assert held == sum(a.num_used for a in cache.blocks.allocators.values())  # no slot leaked
     cache.close()
+
+
+def test_a_prefix_shared_with_a_live_sequence_is_digested_from_its_kept_master(tmp_path):
+    # Sequence 1 reads L2 copies of its oldest blocks and keeps their FP16 masters; sequence 2
+    # reuses the same prefix while 1 is live: its digests are the FP16 keys' (as 1's were when
+    # written), not the INT4 copies'.
+    cache = TieredKVCache(tiny_config(cold_zone_dir=str(tmp_path)))
+    cache.add_sequence(1)
+    first = SyntheticSequence(1, 81)
+    for start in range(0, 81, 16):
+        _forward_with_tokens(first, cache, list(range(81)), start, min(start + 16, 81))
+    assert cache.blocks.kept_masters
+    cache.add_sequence(2)
+    assert cache.reuse_prefix(2, list(range(81))) == 80
+    n = len(cache.blocks.tables[1].blocks)
+    mine, shared = cache.seqs[1].digest[:, :, :n], cache.seqs[2].digest[:, :, :n]
+    assert torch.equal(mine, shared)
+    cache.close()
