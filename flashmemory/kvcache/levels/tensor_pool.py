@@ -115,19 +115,23 @@ class TensorPool:
     def get_layer_per_head(self, slots: torch.Tensor, layer: int) -> Parts:
         """One layer, each KV head its own slots: slots [heads, n] (long, on the pool's device) -> [heads, n, ...]."""
         heads, n = slots.shape
+        records, flat = self._per_head_rows(slots, layer)
+        return self._parts(records.index_select(0, flat).view(heads, n, self.record_bytes))
+
+    def _per_head_rows(self, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's records as rows [heads * physical slots, record_bytes], and the rows of
+        `slots` [heads, n] (each KV head its own), flattened."""
+        heads = slots.shape[0]
         physical = self.storage.shape[2]  # the slots storage holds (fewer than num_slots in a shrunk DeviceArena)
         flat = (slots + torch.arange(heads, device=slots.device)[:, None] * physical).flatten()
-        records = self.storage[layer].view(heads * physical, self.record_bytes).index_select(0, flat)
-        return self._parts(records.view(heads, n, self.record_bytes))
+        return self.storage[layer].view(heads * physical, self.record_bytes), flat
 
     def get_layer_keys_per_head(self, slots: torch.Tensor, layer: int) -> torch.Tensor:
         """The keys alone of an FP16 pool's blocks, each KV head its own slots: slots [heads, n] ->
         [heads, n, block_size, head_dim] fp16 (the values' bytes are not read)."""
         offset, size, (_, tokens, head_dim), dtype = self.layout["kv"]  # K then V
         heads, n = slots.shape
-        physical = self.storage.shape[2]
-        flat = (slots + torch.arange(heads, device=slots.device)[:, None] * physical).flatten()
-        records = self.storage[layer].view(heads * physical, self.record_bytes)
+        records, flat = self._per_head_rows(slots, layer)
         keys = records[:, offset : offset + size // 2].index_select(0, flat)
         return keys.view(dtype).view(heads, n, tokens, head_dim)
 
