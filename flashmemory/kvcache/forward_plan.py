@@ -43,12 +43,12 @@ class ForwardPlanner:
         new_v = v.transpose(0, 1).to(KV_DTYPE)
         seq.pending.append((new_k, new_v))
         row = self.rows.layer_view(seq, layer)
-        decoding = s.num_new_tokens == 1
+        decoding = s.decoding
         quest = self.cfg.selection == "quest"
         if seq.plan is None:
             seq.plan = self.reader.plan(s.seq_id, seq, decoding, with_digest=quest)
             if decoding and quest and any(level != Level.DEVICE for level in seq.plan):
-                self.reader.selection_steps += 1
+                self.reader.selection_steps += s.num_new_tokens  # each token reads as a step
             for level, plan in seq.plan.items():
                 plan.hints = seq.hints.get(level) if decoding else None
             if not decoding:
@@ -62,15 +62,20 @@ class ForwardPlanner:
 
     def decode_batch(self, layer: int, slices: list[SequenceSlice], q: torch.Tensor,
                      k: torch.Tensor, v: torch.Tensor) -> DecodeBatch:
-        """One layer's DecodeBatch of decode slices (one new token each): q [B, num_heads,
-        head_dim], k, v [B, num_kv_heads, head_dim], row b for slices[b]."""
-        seqs = []
-        for b, s in enumerate(slices):
+        """One layer's DecodeBatch of decode slices: q [T, num_heads, head_dim], k, v [T,
+        num_kv_heads, head_dim], the slices' tokens in order. A slice of n tokens (a verification,
+        within its filling block: KVCache.max_decode_rows) gives n entries, token i's row holding
+        the tokens before it, as the row of the decode step at its position would."""
+        seqs, start = [], 0
+        for s in slices:
+            rows = slice(start, start + s.num_new_tokens)
+            start += s.num_new_tokens
             with serving_sequence(s.seq_id):
-                seq, row, new_k, new_v = self.begin(layer, s, q[b : b + 1], k[b : b + 1],
-                                                    v[b : b + 1])
-            reads = [LevelRead(level, plan, None) for level, plan in seq.plan.items()]
-            seqs.append(SequenceDecode(s.seq_id, row, new_k, new_v, reads))
+                seq, row, new_k, new_v = self.begin(layer, s, q[rows], k[rows], v[rows])
+            for i in range(s.num_new_tokens):
+                reads = [LevelRead(level, plan, None) for level, plan in seq.plan.items()]
+                token_row = row if i == 0 else torch.cat((row, torch.stack((new_k[:, :i], new_v[:, :i]))), dim=2)
+                seqs.append(SequenceDecode(s.seq_id, token_row, new_k[:, i : i + 1], new_v[:, i : i + 1], reads))
         if self.cfg.selection == "quest":
             old = [(b, read) for b, seq in enumerate(seqs) for read in seq.reads
                    if read.level != Level.DEVICE]

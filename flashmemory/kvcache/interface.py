@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +22,18 @@ class SequenceSlice:
     num_new_tokens: int
     num_cached_tokens: int  # tokens of this sequence already in the cache before this forward
     token_ids: tuple[int, ...] | None = None  # the new tokens themselves (to name full blocks for prefix reuse)
+    # Each new token attends as a decode step at its position would (a speculative verification):
+    # the reads a decode makes, not a prefill chunk's; see KVCache.max_decode_rows.
+    as_decode: bool = False
 
     @property
     def token_end(self) -> int:
         return self.token_start + self.num_new_tokens
+
+    @property
+    def decoding(self) -> bool:
+        """Every new token is read as a decode step reads (one token, or a verification)."""
+        return self.num_new_tokens == 1 or self.as_decode
 
 
 @dataclass(frozen=True)
@@ -43,16 +51,20 @@ class ForwardBatch:
     def only(self, index: int) -> "ForwardBatch":
         """The batch of slice `index` alone (positions of its own tokens)."""
         s = self.slices[index]
-        single = SequenceSlice(s.seq_id, 0, s.num_new_tokens, s.num_cached_tokens, s.token_ids)
+        single = SequenceSlice(s.seq_id, 0, s.num_new_tokens, s.num_cached_tokens, s.token_ids,
+                               s.as_decode)
         positions = self.positions[s.token_start : s.token_end]
         return ForwardBatch((single,), positions, s.num_cached_tokens + s.num_new_tokens - 1)
 
     @classmethod
-    def build(cls, new_tokens: list[tuple], device: torch.device) -> "ForwardBatch":
-        """From (seq_id, num_cached_tokens, num_new_tokens[, token_ids]) tuples, in batch order."""
+    def build(cls, new_tokens: list[tuple], device: torch.device,
+              as_decode: Collection[int] = ()) -> "ForwardBatch":
+        """From (seq_id, num_cached_tokens, num_new_tokens[, token_ids]) tuples, in batch order;
+        the sequences in `as_decode` have their new tokens read as decode steps."""
         slices, ranges, start, max_position = [], [], 0, 0
         for seq_id, num_cached, num_new, *tokens in new_tokens:
-            slices.append(SequenceSlice(seq_id, start, num_new, num_cached, tuple(tokens[0]) if tokens else None))
+            slices.append(SequenceSlice(seq_id, start, num_new, num_cached, tuple(tokens[0]) if tokens else None,
+                                        seq_id in as_decode))
             ranges.append(torch.arange(num_cached, num_cached + num_new))
             start += num_new
             max_position = max(max_position, num_cached + num_new - 1)
@@ -98,6 +110,17 @@ class KVCache(ABC):
         """Attach cached KV of the longest known prefix of `token_ids` to a new sequence; the tokens reused (a cache
         without a prefix cache reuses none)."""
         return 0
+
+    def max_decode_rows(self, seq_id: int) -> int:
+        """How many new tokens one forward of the sequence may read as decode steps (an `as_decode`
+        slice) with every one of them reading what a decode step at its position would read; a
+        cache whose reads do not change with the sequence's length takes any number."""
+        return 1 << 30
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Forget the sequence's committed tokens from `num_tokens` on, as if they were never
+        computed (a draft model's rejected proposals). A cache that cannot says so."""
+        raise NotImplementedError(f"{type(self).__name__} cannot forget committed tokens")
 
     def pin_span(self, seq_id: int, start: int, end: int) -> None:
         """Keep tokens [start, end) of the sequence in device memory whatever the window (a cache that keeps

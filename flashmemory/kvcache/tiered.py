@@ -237,6 +237,25 @@ class TieredKVCache(KVCache):
     def num_tokens(self, seq_id: int) -> int:
         return self.seqs[seq_id].num_tokens
 
+    def max_decode_rows(self, seq_id: int) -> int:
+        """To the end of the filling block: a decode step's reads change only when a block fills
+        (the row keeps it or it leaves for L0, the window moves), so tokens within one block read,
+        as decode steps, what those steps would read."""
+        return self.cfg.block_size - self.seqs[seq_id].num_tokens % self.cfg.block_size
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Within the filling block only (its tokens are in the row alone; a full block has gone to
+        the levels and the prefix cache)."""
+        seq = self.seqs[seq_id]
+        if seq.pending or not seq.num_tokens - seq.num_partial <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"sequence {seq_id}: cannot keep {num_tokens} of {seq.num_tokens} tokens (only "
+                             f"the filling block's {seq.num_partial} can go, between forwards)")
+        seq.num_filling -= seq.num_tokens - num_tokens
+        seq.num_tokens = num_tokens
+        if seq.token_ids is not None:
+            seq.token_ids = seq.token_ids[:num_tokens]
+        seq.filling_decoded = seq.filling_decoded and seq.num_partial > 0
+
     def pin_span(self, seq_id: int, start: int, end: int) -> None:
         """Keep tokens [start, end) of the sequence in L0 whatever the window (e.g. a system prompt)."""
         seq = self.seqs[seq_id]
@@ -262,29 +281,29 @@ class TieredKVCache(KVCache):
         chunk on its own."""
         if len(batch.slices) == 1:  # whatever fails is this sequence's
             return self.attend_sequence(layer, batch.slices[0], q, k, v)
-        decodes = [s for s in batch.slices if s.num_new_tokens == 1]
-        if len(decodes) == len(batch.slices):  # a decode step: token i is sequence i's
+        decodes = [s for s in batch.slices if s.decoding]
+        if len(decodes) == len(batch.slices):  # a decode step: the batch's tokens in slice order
             return self._attend_decodes(layer, decodes, q, k, v)
         out = torch.empty_like(q)
         for s in batch.slices:
-            if s.num_new_tokens > 1:
+            if not s.decoding:
                 rows = slice(s.token_start, s.token_end)
                 out[rows] = self.attend_sequence(layer, s, q[rows], k[rows], v[rows])
         if decodes:
-            rows = torch.tensor([s.token_start for s in decodes], device=q.device)
+            rows = torch.cat([torch.arange(s.token_start, s.token_end) for s in decodes]).to(q.device)
             out[rows] = self._attend_decodes(layer, decodes, q[rows], k[rows], v[rows])
         return out
 
     def attend_sequence(self, layer: int, s: SequenceSlice, q, k, v) -> torch.Tensor:
         with serving_sequence(s.seq_id):  # the engine fails or recomputes this sequence only
-            if s.num_new_tokens == 1:
+            if s.decoding:
                 return self._attend_decodes(layer, [s], q, k, v)
             seq, row, new_k, new_v = self.planner.begin(layer, s, q, k, v)
             reads = [LevelRead(level, plan, None) for level, plan in seq.plan.items()]
             return self.attention.prefill(layer, q, row, new_k, new_v, reads, self.reader)
 
     def _attend_decodes(self, layer: int, slices: list[SequenceSlice], q, k, v) -> torch.Tensor:
-        # q: [B, num_heads, head_dim]; k, v: [B, num_kv_heads, head_dim], row b for slices[b]
+        # q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]: the slices' tokens in order
         batch = self.planner.decode_batch(layer, slices, q, k, v)
         return self.attention.decode_batch(batch, self.reader)
 
@@ -311,7 +330,7 @@ class TieredKVCache(KVCache):
             except Exception as e:
                 blame_sequence(e, s.seq_id)
                 raise
-            if s.num_new_tokens == 1:
+            if s.decoding:
                 for observer in self.choice_observers:
                     observer.on_step_end(s.seq_id)
 
@@ -342,7 +361,7 @@ class TieredKVCache(KVCache):
         # KV a decode step computed under approximate reads (INT4 window, selection) differs from what a prefill
         # of the same tokens computes (it reads FP16 copies): such blocks are not offered to the prefix cache, so a
         # reused prefix is what a fresh prefill would have written.
-        decoded = s.num_new_tokens == 1 and self._approximate_decode
+        decoded = s.decoding and self._approximate_decode
         for b in range(done.num_blocks):
             tainted = (b == 0 and seq.filling_decoded) or (decoded and (b + 1) * bs > done.old_partial)
             self._write_block(s.seq_id, done.full_k[:, :, b * bs : (b + 1) * bs],
