@@ -90,8 +90,9 @@ class ContiguousKVCache(KVCache):
         if keys.dtype != q.dtype:  # reduced-precision storage (the FP16 baseline): compute in the model dtype
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         if s.as_decode and s.num_new_tokens > 1:  # each token as its own decode step computes it
-            return torch.cat([causal_attention(q[i : i + 1], keys[:, : start + i + 1], values[:, : start + i + 1],
-                                               start + i, self.sliding_window_tokens)
+            window = self.sliding_window_tokens
+            return torch.cat([causal_attention(q[i : i + 1], keys[:, : start + i + 1],
+                                               values[:, : start + i + 1], start + i, window)
                               for i in range(s.num_new_tokens)])
         return causal_attention(q, keys, values, start, self.sliding_window_tokens)
 
@@ -114,7 +115,8 @@ class ContiguousKVCache(KVCache):
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self._lengths[seq_id]:
-            raise ValueError(f"sequence {seq_id} holds {self._lengths[seq_id]} tokens; cannot keep {num_tokens}")
+            raise ValueError(f"sequence {seq_id} holds {self._lengths[seq_id]} tokens; "
+                             f"cannot keep {num_tokens}")
         self._lengths[seq_id] = num_tokens
 
     def commit(self, batch: ForwardBatch, kept: Mapping[int, int] | None = None) -> None:

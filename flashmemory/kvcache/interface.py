@@ -63,7 +63,8 @@ class ForwardBatch:
         the sequences in `as_decode` have their new tokens read as decode steps."""
         slices, ranges, start, max_position = [], [], 0, 0
         for seq_id, num_cached, num_new, *tokens in new_tokens:
-            slices.append(SequenceSlice(seq_id, start, num_new, num_cached, tuple(tokens[0]) if tokens else None,
+            ids = tuple(tokens[0]) if tokens else None
+            slices.append(SequenceSlice(seq_id, start, num_new, num_cached, ids,
                                         seq_id in as_decode))
             ranges.append(torch.arange(num_cached, num_cached + num_new))
             start += num_new

@@ -248,8 +248,9 @@ class TieredKVCache(KVCache):
         the levels and the prefix cache)."""
         seq = self.seqs[seq_id]
         if seq.pending or not seq.num_tokens - seq.num_partial <= num_tokens <= seq.num_tokens:
-            raise ValueError(f"sequence {seq_id}: cannot keep {num_tokens} of {seq.num_tokens} tokens (only "
-                             f"the filling block's {seq.num_partial} can go, between forwards)")
+            raise ValueError(f"sequence {seq_id}: cannot keep {num_tokens} of {seq.num_tokens} "
+                             f"tokens (only the filling block's {seq.num_partial} can go, between "
+                             "forwards)")
         seq.num_filling -= seq.num_tokens - num_tokens
         seq.num_tokens = num_tokens
         if seq.token_ids is not None:
@@ -290,7 +291,8 @@ class TieredKVCache(KVCache):
                 rows = slice(s.token_start, s.token_end)
                 out[rows] = self.attend_sequence(layer, s, q[rows], k[rows], v[rows])
         if decodes:
-            rows = torch.cat([torch.arange(s.token_start, s.token_end) for s in decodes]).to(q.device)
+            rows = torch.cat([torch.arange(s.token_start, s.token_end) for s in decodes])
+            rows = rows.to(q.device)
             out[rows] = self._attend_decodes(layer, decodes, q[rows], k[rows], v[rows])
         return out
 
@@ -303,7 +305,8 @@ class TieredKVCache(KVCache):
             return self.attention.prefill(layer, q, row, new_k, new_v, reads, self.reader)
 
     def _attend_decodes(self, layer: int, slices: list[SequenceSlice], q, k, v) -> torch.Tensor:
-        # q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]: the slices' tokens in order
+        # q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]: the slices' tokens in
+        # order
         batch = self.planner.decode_batch(layer, slices, q, k, v)
         return self.attention.decode_batch(batch, self.reader)
 

@@ -11,7 +11,8 @@ from flashmemory.kvcache.contiguous import ContiguousKVCache
 from flashmemory.kvcache.interface import ForwardBatch
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.tiered import TieredKVCache
-from tests.kvcache.synthetic import DIM, KV_HEADS, LAYERS, SyntheticSequence, skip_without_native, tiny_config
+from tests.kvcache.synthetic import (DIM, KV_HEADS, LAYERS, SyntheticSequence, skip_without_native,
+                                     tiny_config)
 
 PROMPT = 75  # 9 full 8-token blocks (some on L2 with the tiny geometry) and 3 filling tokens
 
@@ -24,6 +25,11 @@ def _forward(seq: SyntheticSequence, cache, start: int, end: int, as_decode: boo
                                     seq.v[layer, start:end]) for layer in range(seq.layers)])
     cache.commit(batch, None if kept is None else {seq.seq_id: kept})
     return out
+
+
+def _steps(seq: SyntheticSequence, cache, start: int, end: int) -> torch.Tensor:
+    """Tokens [start, end) one decode step each."""
+    return torch.cat([_forward(seq, cache, t, t + 1) for t in range(start, end)], dim=1)
 
 
 def _cache(kind: str, tmp_path, backend: str = "torch", **settings):
@@ -46,23 +52,26 @@ def _prefilled(kind: str, tmp_path, seq: SyntheticSequence, backend: str = "torc
 SPARSE = dict(selection_min_tokens=1, warm_budget_tokens=8, semantic_truncate_threshold=0.2)
 
 
-@pytest.mark.parametrize("settings", [SPARSE, {**SPARSE, "kv_precision": "int2-disk"}, {"selection": "exact"}],
+@pytest.mark.parametrize("settings", [SPARSE, {**SPARSE, "kv_precision": "int2-disk"},
+                                      {"selection": "exact"}],
                          ids=["sparse", "int2-disk", "exact-reads"])
 @pytest.mark.parametrize("backend", ["torch", "native"])
-def test_tokens_read_as_decode_steps_equal_those_steps_within_the_filling_block(settings, backend, tmp_path):
+def test_tokens_read_as_decode_steps_equal_those_steps_within_the_filling_block(settings, backend,
+                                                                               tmp_path):
     seq = SyntheticSequence(1, 100, seed=4)
     steps = _prefilled("tiered", tmp_path / "a", seq, backend, **settings)
     rows = _prefilled("tiered", tmp_path / "b", seq, backend, **settings)
     assert rows.max_decode_rows(1) == 8 - PROMPT % 8 == 5
     assert rows.blocks.allocators[Level.DISK].num_used > 0  # the L2 reads are under test too
-    sequential = torch.cat([_forward(seq, steps, t, t + 1) for t in range(PROMPT, PROMPT + 5)], dim=1)
+    sequential = _steps(seq, steps, PROMPT, PROMPT + 5)
     verified = _forward(seq, rows, PROMPT, PROMPT + 5, as_decode=True)
     if "selection" not in settings:  # five steps' choices, each a part of the old blocks
         assert rows.reader.selection_steps == steps.reader.selection_steps == 5
-        assert rows.reader.selected_blocks == steps.reader.selected_blocks != rows.reader.candidate_blocks
+        chosen = rows.reader.selected_blocks
+        assert chosen == steps.reader.selected_blocks != rows.reader.candidate_blocks
     if backend == "native":  # one kernel call per token whatever the batch: the same bits
         assert torch.equal(verified, sequential)
-    else:  # torch's masked batch call rounds otherwise than its one-sequence call (as for any batch)
+    else:  # torch's masked batch call rounds otherwise than its one-sequence call (any batch)
         torch.testing.assert_close(verified, sequential, rtol=1e-6, atol=1e-6)
     # and both caches go on alike (the same KV, the same choices)
     for t in range(PROMPT + 5, 96):
@@ -74,8 +83,9 @@ def test_a_prefill_chunk_reads_otherwise_so_the_flag_matters(tmp_path):
     seq = SyntheticSequence(1, 100, seed=4)
     steps = _prefilled("tiered", tmp_path / "a", seq)
     rows = _prefilled("tiered", tmp_path / "b", seq)
-    sequential = torch.cat([_forward(seq, steps, t, t + 1) for t in range(PROMPT, PROMPT + 5)], dim=1)
-    assert not torch.equal(_forward(seq, rows, PROMPT, PROMPT + 5), sequential)  # FP16 masters, every block
+    sequential = _steps(seq, steps, PROMPT, PROMPT + 5)
+    # a chunk reads the FP16 masters of every block
+    assert not torch.equal(_forward(seq, rows, PROMPT, PROMPT + 5), sequential)
     steps.close(), rows.close()
 
 
@@ -83,7 +93,7 @@ def test_contiguous_tokens_read_as_decode_steps_equal_those_steps(tmp_path):
     seq = SyntheticSequence(1, 100, seed=5)
     steps = _prefilled("contiguous", tmp_path, seq)
     rows = _prefilled("contiguous", tmp_path, seq)
-    sequential = torch.cat([_forward(seq, steps, t, t + 1) for t in range(PROMPT, PROMPT + 7)], dim=1)
+    sequential = _steps(seq, steps, PROMPT, PROMPT + 7)
     assert torch.equal(_forward(seq, rows, PROMPT, PROMPT + 7, as_decode=True), sequential)
 
 
