@@ -70,6 +70,22 @@ def test_native_gemv_equals_the_float32_product(type_name, num_x):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+@native
+@pytest.mark.parametrize("type_name", FORMATS)
+def test_each_row_of_a_gemv_is_the_one_row_gemv_bit_for_bit(type_name):
+    """A speculative verification runs a few rows through the GEMV: each must be what the decode
+    step of that row alone computes, or the verified tokens could differ from plain decoding."""
+    rows, cols = 96, 512
+    blocks = torch.from_numpy(np.ascontiguousarray(_random_blocks(type_name, rows, cols, seed=9)))
+    x = torch.randn(quant_kernels.MAX_X_ROWS, cols)
+    together = torch.empty(x.shape[0], rows)
+    quant_kernels.qgemv(quant_kernels.library(), type_name, blocks, cols, x, together)
+    for r in range(x.shape[0]):
+        alone = torch.empty(1, rows)
+        quant_kernels.qgemv(quant_kernels.library(), type_name, blocks, cols, x[r : r + 1], alone)
+        assert torch.equal(together[r], alone[0]), f"row {r}"
+
+
 def _logits(model, ids: list[int], prefill: int) -> torch.Tensor:
     """Prefill `prefill` tokens, then decode the rest one at a time: the logits of every position."""
     cfg = model.config

@@ -341,28 +341,36 @@ int fm_qgemv(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t row
     if (format_of(type, &deq, &qk, &block_bytes) != 0) return -1;
     if (num_x < 1 || num_x > FM_MAX_X || cols % qk != 0 || row_bytes != cols / qk * block_bytes) return -2;
     const int64_t nb = cols / qk;
+    /* The formats with a one-row kernel use it for every row of x, each weight row still read from
+     * memory once (it stays in L1 across x's rows): row r of y is then the same float32 bits
+     * whatever num_x is, so a speculative verification of several tokens computes what their
+     * decode steps compute one at a time. */
+    const int one_row = type == FM_Q4_1 || type == FM_Q4_0 || type == FM_Q8_0 || type == FM_Q5_0;
     float *xsum = NULL;
-    if (num_x == 1 && type == FM_Q4_1) {
-        xsum = malloc(sizeof(float) * nb);
+    if (type == FM_Q4_1) {
+        xsum = malloc(sizeof(float) * nb * num_x);
         if (xsum == NULL) return -3;
-        for (int64_t i = 0; i < nb; i++) {
-            float s = 0.0f;
-            for (int c = 0; c < 32; c++) s += x[i * 32 + c];
-            xsum[i] = s;
+        for (int64_t r = 0; r < num_x; r++) {
+            for (int64_t i = 0; i < nb; i++) {
+                float s = 0.0f;
+                for (int c = 0; c < 32; c++) s += x[r * x_stride + i * 32 + c];
+                xsum[r * nb + i] = s;
+            }
         }
     }
     /* Dynamic chunks of rows: on a shared machine a thread that loses its core leaves its rows to the others. */
 #pragma omp parallel for schedule(dynamic, 16) num_threads(num_threads) if (rows * cols >= 65536)
     for (int64_t row = 0; row < rows; row++) {
         const uint8_t *wr = w + row * row_bytes;
-        if (num_x == 1 && type == FM_Q4_1) {
-            y[row] = dot_q4_1(wr, nb, x, xsum);
-        } else if (num_x == 1 && type == FM_Q4_0) {
-            y[row] = dot_q4_0(wr, nb, x);
-        } else if (num_x == 1 && type == FM_Q8_0) {
-            y[row] = dot_q8_0(wr, nb, x);
-        } else if (num_x == 1 && type == FM_Q5_0) {
-            y[row] = dot_q5_0(wr, nb, x);
+        if (one_row) {
+            for (int64_t r = 0; r < num_x; r++) {
+                const float *xr = x + r * x_stride;
+                float *yr = y + r * y_stride + row;
+                if (type == FM_Q4_1) *yr = dot_q4_1(wr, nb, xr, xsum + r * nb);
+                else if (type == FM_Q4_0) *yr = dot_q4_0(wr, nb, xr);
+                else if (type == FM_Q8_0) *yr = dot_q8_0(wr, nb, xr);
+                else *yr = dot_q5_0(wr, nb, xr);
+            }
         } else {
             float out[FM_MAX_X];
             dot_generic(deq, qk, block_bytes, wr, nb, x, num_x, x_stride, out);
