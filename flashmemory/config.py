@@ -15,6 +15,7 @@ from flashmemory.errors import ConfigError
 from flashmemory.kv_settings import KVSettings
 from flashmemory.seed_names import unknown_settings_message
 from flashmemory.settings import check_settings, setting
+from flashmemory.spec_settings import SpeculativeSettings
 
 # float64 is for numerical verification (exactness tests), not for serving.
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -55,9 +56,9 @@ class RunSettings:
 
 
 # NOTE: the bases in this order keep the fields in their order of old (dataclasses collect them
-# from the last base up): RunSettings' first, then KVSettings'.
+# from the last base up): RunSettings' first, then KVSettings', then SpeculativeSettings'.
 @dataclass
-class EngineConfig(KVSettings, RunSettings):
+class EngineConfig(SpeculativeSettings, KVSettings, RunSettings):
     """Settings of one FlashMemoryEngine; each field's Setting holds its help, bounds and flag."""
 
     def __post_init__(self) -> None:
@@ -70,6 +71,28 @@ class EngineConfig(KVSettings, RunSettings):
             raise ConfigError(f"device={self.device!r} is not supported; use auto, cpu, cuda or cuda:N")
         check_settings(self)  # types, bounds and choices, as each field's Setting declares them
         self._check_cross_field()
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        """The rules that tie the speculative settings together."""
+        method, draft = self.speculative_method, self.draft_model_path
+        if method == "draft" and draft is None:
+            raise ConfigError("speculative_method='draft' needs draft_model_path (a smaller model "
+                              "with the target's tokenizer); or use speculative_method='ngram'")
+        if method in ("ngram", "off") and draft is not None:
+            raise ConfigError(f"draft_model_path is set but speculative_method={method!r} does not "
+                              "use it: drop draft_model_path, or set speculative_method='draft'")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min={self.prompt_lookup_min} is greater than "
+                              f"prompt_lookup_max={self.prompt_lookup_max}; lower it or raise "
+                              "prompt_lookup_max")
+
+    @property
+    def speculation(self) -> str:
+        """What drafts tokens: "draft", "ngram" or "off" ("auto" resolved)."""
+        if self.speculative_method == "auto":
+            return "off" if self.draft_model_path is None else "draft"
+        return self.speculative_method
 
     def resolve_block_size(self, max_seq_len: int) -> int:
         """Tokens per block; "auto" keeps block tables short for long contexts."""

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "flashmemory"
 # Rank of each top-level part: a module may import its own part or a lower rank, never a higher one.
 RANKS = {
     "flashmemory.errors": 0, "flashmemory.version": 0, "flashmemory.settings": 0, "flashmemory.config": 0,
-    "flashmemory.kv_settings": 0,
+    "flashmemory.kv_settings": 0, "flashmemory.spec_settings": 0,
     "flashmemory.seed_names": 0, "flashmemory.native_build": 0, "flashmemory.rss": 0,
     "flashmemory.snapshot_format": 0,
     "flashmemory.config_args": 0,

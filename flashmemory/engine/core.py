@@ -22,6 +22,8 @@ from flashmemory.engine.sampling import Sampler
 from flashmemory.engine.scheduler import Scheduler, StepPlan
 from flashmemory.engine.scheduling_policy import FCFS, SchedulingPolicy
 from flashmemory.engine.sequence import Sequence, SequenceStatus
+from flashmemory.engine.speculative.proposal import Proposal
+from flashmemory.engine.speculative.speculator import Speculator
 from flashmemory.engine.stop import StopStringMatcher
 from flashmemory.errors import CapacityError, ColdBlockError, ColdZoneWriteError, DeviceLostError, FlashMemoryError
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
@@ -72,13 +74,14 @@ class EngineCore:
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, tokenizer: Tokenizer, max_seq_len: int,
                  device: torch.device, max_num_batched_tokens: int, observer: StepObserver | None = None,
-                 policy: SchedulingPolicy = FCFS) -> None:
+                 policy: SchedulingPolicy = FCFS, speculator: Speculator | None = None) -> None:
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.device = device
         self.observer: StepObserver = observer or NullObserver()
+        self.speculator = speculator  # None: one token per sequence and step
         self.scheduler = Scheduler(cache.kv_capacity(), max_num_batched_tokens, policy)
         self._live: dict[int, _Live] = {}
         self._refused: list[Delivery] = []  # sequences that can never fit, reported by the next step
@@ -135,36 +138,47 @@ class EngineCore:
         out += self._apply(plan)
         if not plan.scheduled:
             return out
+        proposals = self._draft(plan)
         entries, input_ids, sample_rows, to_sample = [], [], [], []
         num_prefill_tokens = 0
         started = time.perf_counter()
         for seq, n in plan.scheduled:
             start = seq.num_computed_tokens
             tokens = seq.token_ids(start, start + n)
-            entries.append((seq.seq_id, start, n, tokens))
-            input_ids.extend(tokens)
             if start < len(seq.prompt_ids) or n > 1:
                 num_prefill_tokens += n
+            proposal = proposals.get(seq.seq_id)
+            if proposal is not None:  # the last token and its drafts, each read as a decode step
+                tokens = tokens + proposal.tokens
+            entries.append((seq.seq_id, start, len(tokens), tokens))
+            input_ids.extend(tokens)
             live = self._live[seq.seq_id]
             if live.first_forward_s is None:
                 live.first_forward_s = started
             if start + n == seq.num_tokens:  # the forward reaches the sequence's last token: sample the next
-                sample_rows.append(len(input_ids) - 1)
-                to_sample.append(seq)
-        batch = ForwardBatch.build(entries, self.device)
+                rows = 1 if proposal is None else len(tokens)
+                to_sample.append((seq, len(sample_rows), rows))
+                sample_rows.extend(range(len(input_ids) - rows, len(input_ids)))
+        batch = ForwardBatch.build(entries, self.device, as_decode=proposals.keys())
         try:
             logits = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device), self.cache, batch,
                                 logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=self.device))
         except Exception as e:  # noqa: BLE001 - contained: the culprit fails or is recomputed, the others retry
             self.cache.rollback(batch)
+            for seq_id in proposals:
+                self.speculator.settle(self._live[seq_id].seq)  # nothing drafted was kept
             return out + self._contain(e, [seq for seq, _ in plan.scheduled])
+        emitted = self._verify(proposals, to_sample, logits)
+        # Of a verification: the last token and the kept drafts (the last token alone where it
+        # failed).
+        kept = {seq_id: len(emitted[seq_id]) if seq_id in emitted else 1 for seq_id in proposals}
         for i, (seq, _) in enumerate(plan.scheduled):
             try:
-                self.cache.commit(batch.only(i))
+                self.cache.commit(batch.only(i), kept if seq.seq_id in kept else None)
             except Exception as e:  # noqa: BLE001 - this sequence's KV is in doubt: only it is affected
                 out += self._contain(e, [seq])
         # A sequence whose commit failed was requeued (waiting) or failed (gone): the rest completed the step.
-        plan.scheduled = [(seq, n) for seq, n in plan.scheduled
+        plan.scheduled = [(seq, kept.get(seq.seq_id, n)) for seq, n in plan.scheduled
                           if seq.seq_id in self._live and seq.status == SequenceStatus.RUNNING]
         self.scheduler.complete_step(plan)
         self.observer.on_prefill_tokens(num_prefill_tokens)
@@ -175,17 +189,71 @@ class EngineCore:
         done = {seq.seq_id for seq, _ in plan.scheduled}
         greedy = logits.argmax(dim=-1).tolist() if to_sample else []  # one op for every greedy sequence
         now = time.perf_counter()
-        for row, seq in enumerate(to_sample):
+        for seq, row, _ in to_sample:
             if seq.seq_id not in done:
                 continue
             live = self._live[seq.seq_id]
             try:
+                if seq.seq_id in emitted:
+                    out += self._emit(live, emitted[seq.seq_id], now)
+                    continue
                 token = greedy[row] if live.request.params.is_greedy else live.sampler.sample(logits[row])
                 out.append(self._postprocess(live, token, now))
             except Exception as e:  # noqa: BLE001 - a sampling failure ends this sequence alone
                 logger.error("sequence %d failed while sampling: %s", seq.seq_id, e, exc_info=True)
                 out.append(self._fail(live, _client_message(e), e))
         return out
+
+    # ---- speculative decoding -------------------------------------------------------------------
+
+    def _draft(self, plan: StepPlan) -> dict[int, Proposal]:
+        """Drafts for the plan's decode steps, as many as one verification may carry for each."""
+        if self.speculator is None:
+            return {}
+        proposals = {}
+        for seq, n in plan.scheduled:
+            start = seq.num_computed_tokens
+            if n != 1 or start != seq.num_tokens - 1 or start < len(seq.prompt_ids):
+                continue  # prefill: nothing to draft yet
+            # The verification's tokens stay within the filling block and complete no block (the
+            # scheduler reserved for one token); the emitted ones within max_tokens and the
+            # context.
+            room = min(self.cache.max_decode_rows(seq.seq_id) - 2,
+                       seq.max_tokens - len(seq.output_ids) - 1, self.max_seq_len - seq.num_tokens)
+            proposal = self.speculator.propose(seq, self._live[seq.seq_id].sampler, room)
+            if proposal is not None:
+                proposals[seq.seq_id] = proposal
+        return proposals
+
+    def _verify(self, proposals: dict[int, Proposal], to_sample: list[tuple[Sequence, int, int]],
+                logits: torch.Tensor) -> dict[int, list[int]]:
+        """Per drafted sequence, the tokens to emit (their count is the forward's tokens kept); a
+        sequence whose verification fails keeps its first token and samples it as usual."""
+        emitted = {}
+        for seq, row, rows in to_sample:
+            proposal = proposals.get(seq.seq_id)
+            if proposal is None:
+                continue
+            try:
+                emitted[seq.seq_id] = self.speculator.verify(proposal, logits[row : row + rows],
+                                                             self._live[seq.seq_id].sampler)
+            except Exception as e:  # noqa: BLE001 - this sequence goes on without its drafts
+                self.speculator.fail(seq.seq_id, e)
+        return emitted
+
+    def _emit(self, live: _Live, tokens: list[int], now: float) -> list[Delivery]:
+        """A verification's tokens, one output each, until the sequence finishes."""
+        out = []
+        for token in tokens:
+            out.append(self._postprocess(live, token, now))
+            if live.seq.seq_id not in self._live:
+                return out  # finished (its draft state went with it)
+        self.speculator.settle(live.seq)
+        return out
+
+    def _forget_draft(self, seq_id: int) -> None:
+        if self.speculator is not None:
+            self.speculator.release(seq_id)
 
     def _contain(self, error: Exception, involved: list[Sequence]) -> list[Delivery]:
         """A step failed. A fatal error (the device is lost) propagates; otherwise the sequence it names (or, when
@@ -204,6 +272,7 @@ class EngineCore:
             seq.num_faults += 1
             if isinstance(error, RECOVERABLE) and seq.num_faults <= MAX_RECOMPUTES:
                 self.cache.free_sequence(seq.seq_id, keep_cached=False)  # its KV (the damaged block too) goes
+                self._forget_draft(seq.seq_id)
                 self.scheduler.requeue(seq)
                 self.observer.on_fault("recompute")
             else:
@@ -218,8 +287,10 @@ class EngineCore:
         cache, out = self.cache, []
         for seq in plan.demoted:
             cache.demote_sequence(seq.seq_id)
+            self._forget_draft(seq.seq_id)  # the draft reads it again when it runs again
         for seq in plan.recomputed:
             cache.free_sequence(seq.seq_id)
+            self._forget_draft(seq.seq_id)
         for seq in plan.promoted:
             cache.promote_sequence(seq.seq_id)
         for seq in plan.admitted:
@@ -261,6 +332,7 @@ class EngineCore:
         logger.error("admitting sequence %d failed: %s: %s", seq.seq_id, type(error).__name__,
                      error, exc_info=not isinstance(error, FlashMemoryError))
         self.cache.free_sequence(seq.seq_id)
+        self._forget_draft(seq.seq_id)
         live = self._live.get(seq.seq_id)
         seq.num_faults += 1
         if live is not None and isinstance(error, RECOVERABLE + (CapacityError,)) \
@@ -305,6 +377,7 @@ class EngineCore:
             # Free before telling the client, so a finished response never leaves blocks behind.
             self.scheduler.finish(seq)
             self.cache.free_sequence(seq.seq_id)
+            self._forget_draft(seq.seq_id)
             del self._live[seq.seq_id]
             self.observer.on_finished(finish, now - live.request.arrival_s)
         return live.sink, output
@@ -329,6 +402,7 @@ class EngineCore:
         return out
 
     def _release(self, seq: Sequence, keep_cached: bool = True) -> None:
+        self._forget_draft(seq.seq_id)
         if seq.status in (SequenceStatus.RUNNING, SequenceStatus.PARKED):
             self.cache.free_sequence(seq.seq_id, keep_cached)
         seq.status = SequenceStatus.FINISHED

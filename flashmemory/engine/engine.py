@@ -23,6 +23,8 @@ from flashmemory.engine.scoring import ScoreResult, score_tokens
 from flashmemory.engine.stats import GenerationStats, peak_memory
 from flashmemory.errors import ConfigError, EngineBusyError, FlashMemoryError, PromptTooLongError
 from flashmemory.engine.sizing import DevicePlan
+from flashmemory.engine.speculative.build import Target, build_speculator
+from flashmemory.engine.speculative.speculator import Speculator
 from flashmemory.kvcache.interface import KVCache
 from flashmemory.kvcache.kv_stats import KVStats
 from flashmemory.model.loader import build_model, open_checkpoint, weights_bytes
@@ -68,6 +70,9 @@ class FlashMemoryEngine:
         self.tokenizer = Tokenizer.from_checkpoint(
             checkpoint.path, checkpoint.config.eos_token_ids, self.config.parse_special_tokens_in_content)
         self.cache: KVCache = self._build_cache()
+        self.speculator: Speculator | None = build_speculator(self.config, Target(
+            self.tokenizer, self.weights_bytes, self.max_seq_len, self.device, self.dtype,
+            self._kv_fingerprint_source()))
         self.last_stats = GenerationStats()
         self.last_kv_stats: dict[str, int | float] = {}
         self.last_kv_snapshot: KVStats | None = None  # last_kv_stats, typed
@@ -99,8 +104,10 @@ class FlashMemoryEngine:
     def core(self) -> EngineCore:
         """The token loop every generation runs through (rebuilt when the KV cache is replaced)."""
         if self._core is None or self._core.cache is not self.cache:
+            policy = POLICIES[self.config.scheduling_policy]
             self._core = EngineCore(self.model, self.cache, self.tokenizer, self.max_seq_len, self.device,
-                                    self.config.prefill_chunk_tokens, policy=POLICIES[self.config.scheduling_policy])
+                                    self.config.prefill_chunk_tokens, policy=policy,
+                                    speculator=self.speculator)
         return self._core
 
     def configure_core(self, max_num_batched_tokens: int | None = None, observer: StepObserver | None = None,
@@ -110,7 +117,7 @@ class FlashMemoryEngine:
             raise ConfigError("the engine core has live sequences; finish or abort them before reconfiguring it")
         self._core = EngineCore(self.model, self.cache, self.tokenizer, self.max_seq_len, self.device,
                                 max_num_batched_tokens or self.config.prefill_chunk_tokens, observer,
-                                policy or POLICIES[self.config.scheduling_policy])
+                                policy or POLICIES[self.config.scheduling_policy], self.speculator)
         return self._core
 
     def step_core(self, core: EngineCore) -> list[Delivery]:
@@ -241,7 +248,7 @@ class FlashMemoryEngine:
         new_config = self.config.replace(**{**{n: getattr(defaults, n) for n in kv_names}, **knobs})
         check_budgets(new_config)
         self._require_idle("reconfigure_kv()")
-        self.close()
+        self.cache.close()  # the target's levels only: a draft model keeps its own
         self.config = new_config
         self.cache = self._build_cache()
         self.budget_controller = build_budget_controller(self.config, self.cache, self.device, self._refresh_capacity)
@@ -267,6 +274,8 @@ class FlashMemoryEngine:
         """KV bytes and blocks per level, selected fractions, bytes moved between levels, load failures."""
         out = dict(self.cache.stats())
         out["weights_bytes"] = self.weights_bytes
+        if self.speculator is not None:
+            out.update(self.speculator.stats.as_dict())
         if self.budget_controller is not None:
             out.update(self.budget_controller.stats())
         return out
@@ -280,8 +289,10 @@ class FlashMemoryEngine:
         return {"status": "degraded", "reasons": reasons} if reasons else {"status": "ok"}
 
     def close(self) -> None:
-        """Release the KV levels (the cold-zone file included)."""
+        """Release the KV levels (the cold-zone file included), the draft model's too."""
         self.cache.close()
+        if self.speculator is not None:
+            self.speculator.close()
 
     def check_prompt(self, prompt_ids: list[int], max_new_tokens: int = 0) -> None:
         """Raise what generate() would for this prompt: ConfigError for no tokens or an id

@@ -91,9 +91,19 @@ class Sampler:
                 self.generator.seed()
 
     def sample(self, logits: torch.Tensor) -> int:
-        p = self.params
-        if p.is_greedy:
+        if self.params.is_greedy:
             return int(torch.argmax(logits))
+        return self.draw(self.distribution(logits))
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token from probabilities [vocab] (they need not sum to 1), with this request's
+        generator."""
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """The probabilities [vocab] `sample` draws from (after top-k, temperature and top-p); a
+        sampling request only."""
+        p = self.params
         logits = logits.float()  # [vocab]
         if 0 < p.top_k < logits.shape[-1]:
             # Before the temperature: a huge temperature would turn distinct logits into ties.
@@ -113,5 +123,4 @@ class Sampler:
             drop[0] = False  # the most likely token always stays, whatever float32 makes of a tiny top_p
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
-        probs = torch.softmax(logits, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return torch.softmax(logits, dim=-1)

@@ -60,6 +60,9 @@ class FastTokenizer:
     def __len__(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
     def get_added_vocab(self) -> dict[str, int]:
         return {token.content: i for i, token in self.backend.get_added_tokens_decoder().items()}
 

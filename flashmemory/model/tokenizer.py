@@ -136,6 +136,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.backend)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's text (as the vocabulary spells it) and id, added tokens included."""
+        return dict(self.backend.get_vocab())
+
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.backend, "chat_template", None))

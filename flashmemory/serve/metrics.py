@@ -9,6 +9,7 @@ runs one (PREFETCH_SERIES). Every series reads an attribute of the typed snapsho
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from flashmemory.engine.speculative.speculator import SpecStats
 from flashmemory.kvcache.kv_stats import KVStats, MediumCounters
 
 PREFIX = "flashmemory:"
@@ -103,6 +105,21 @@ SELECTION_SERIES = (
 )
 
 
+# Speculative decoding (vLLM's spec_decode names), fields of SpecStats; exported only when the
+# engine drafts.
+SPEC_SERIES = (
+    StatSeries("spec_decode_num_drafts", "counter", "Verification forwards that carried drafts"),
+    StatSeries("spec_decode_draft_tokens", "counter", "Tokens drafted"),
+    StatSeries("spec_decode_accepted_tokens", "counter", "Drafted tokens the target kept"),
+    StatSeries("spec_decode_emitted_tokens", "counter",
+               "Tokens verifications produced (kept drafts and the target's own)"),
+    StatSeries("spec_decode_fallbacks", "counter",
+               "Sequences whose drafting failed; they went on decoding without drafts"),
+    StatSeries("spec_decode_acceptance_rate", "gauge",
+               "Kept over drafted tokens since start (0-1)"),
+)
+
+
 class _KVCollector(Collector):
     """Exports the KV levels from the latest stats snapshot (replaced whole, so reads need no
     lock)."""
@@ -110,6 +127,7 @@ class _KVCollector(Collector):
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.snapshot: KVStats | None = None
+        self.spec: SpecStats | None = None  # None: the engine does not draft
 
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot
@@ -170,6 +188,7 @@ class _KVCollector(Collector):
         yield from self._series(s.selection, SELECTION_SERIES)
         yield from self._series(s.prefetch, PREFETCH_SERIES)
         yield from self._series(s.staging, STAGING_SERIES)
+        yield from self._series(self.spec, SPEC_SERIES)
         yield from self._budget()
 
     def _budget(self) -> Iterator[Metric]:
@@ -259,5 +278,6 @@ class ServerMetrics:
     def count_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
 
-    def publish_kv(self, stats: KVStats) -> None:
+    def publish_kv(self, stats: KVStats, spec: SpecStats | None = None) -> None:
         self._kv.snapshot = stats
+        self._kv.spec = None if spec is None else dataclasses.replace(spec)  # a copy of the counts

@@ -194,7 +194,8 @@ class EngineWorker:
             stats.budget = BudgetStats(**self.engine.budget_controller.stats())
         self.kv_stats = stats.as_dict()
         self.health = self.engine.health()  # probes the levels here, on the thread that owns them
-        self.metrics.publish_kv(stats)
+        spec = self.engine.speculator
+        self.metrics.publish_kv(stats, None if spec is None else spec.stats)
         self.metrics.num_requests_running.set(s.num_running)
         self.metrics.num_requests_waiting.set(s.num_waiting)
         self.metrics.num_requests_parked.set(len(s.parked))

@@ -1,0 +1,91 @@
+"""The engine's Speculator from its settings: prompt lookup, or a draft model loaded beside the
+target (its own weights and KV cache, built from the same KV settings) after the checks that it
+can draft for this target: the same tokenizer, not larger."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashmemory.config import EngineConfig
+from flashmemory.engine.cache_factory import build_kv_cache, device_plan_for
+from flashmemory.engine.speculative.draft_model import DraftModelProposer
+from flashmemory.engine.speculative.ngram import NgramProposer
+from flashmemory.engine.speculative.speculator import Speculator
+from flashmemory.errors import ConfigError
+from flashmemory.model.loader import build_model, open_checkpoint, weights_bytes
+from flashmemory.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+# Budgets each KV cache would take whole: with two models they must be split (not built yet).
+SHARED_BUDGETS = ("max_gpu_memory_mb", "cpu_memory_gb", "cold_zone_gb")
+DRAFT_FOLDER = "draft-model"  # a persistent cache's draft keeps its own cold zone in here
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the draft is checked against and sized beside: the loaded target model."""
+
+    tokenizer: Tokenizer
+    weights_bytes: int
+    max_seq_len: int
+    device: torch.device
+    dtype: torch.dtype
+    fingerprint: str  # the target's KV fingerprint source; the draft's names its own model
+
+
+def build_speculator(config: EngineConfig, target: Target) -> Speculator | None:
+    """None when speculative decoding is off."""
+    method = config.speculation
+    if method == "off":
+        return None
+    if method == "ngram":
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        return Speculator(proposer, config.num_speculative_tokens)
+    return Speculator(_draft_proposer(config, target), config.num_speculative_tokens)
+
+
+def _draft_proposer(config: EngineConfig, target: Target) -> DraftModelProposer:
+    budgets = [name for name in SHARED_BUDGETS if getattr(config, name) is not None]
+    if budgets:
+        raise ConfigError(
+            f"a draft model is not yet sized within {', '.join(budgets)} together with the "
+            "target (each model's KV would get the whole budget): unset it, or use "
+            "speculative_method='ngram' (no second model)")
+    checkpoint = open_checkpoint(config.draft_model_path)
+    draft_bytes = weights_bytes(checkpoint, config.weights_dtype, target.dtype, target.device)
+    if draft_bytes > target.weights_bytes:
+        raise ConfigError(
+            f"the draft model {checkpoint.path.name} ({draft_bytes / 2**20:.0f} MiB of weights) is "
+            f"larger than the target ({target.weights_bytes / 2**20:.0f} MiB): a draft saves time "
+            "only when it is much smaller; swap them, or pick a smaller draft")
+    tokenizer = Tokenizer.from_checkpoint(checkpoint.path, checkpoint.config.eos_token_ids)
+    if tokenizer.vocabulary() != target.tokenizer.vocabulary():
+        raise ConfigError(
+            f"the draft model {checkpoint.path.name} does not share the target's tokenizer "
+            f"({tokenizer.vocab_size} against {target.tokenizer.vocab_size} tokens, or the same "
+            "ids for other texts); drafting across tokenizers is not built yet: pick a draft of "
+            "the target's family, or use speculative_method='ngram'")
+    max_seq_len = min(target.max_seq_len, checkpoint.config.max_context_tokens)
+    if max_seq_len < target.max_seq_len:
+        raise ConfigError(
+            f"the draft model {checkpoint.path.name} reads at most "
+            f"{checkpoint.config.max_context_tokens} tokens, fewer than the target's "
+            f"{target.max_seq_len}: lower max_seq_len to {max_seq_len}, or pick a draft with "
+            "the target's context")
+    model = build_model(checkpoint, target.device, target.dtype, config.weights_dtype)
+    fingerprint = (f"{checkpoint.path}:{checkpoint.config}:{target.dtype}:"
+                   f"weights={config.weights_dtype}:draft-of={target.fingerprint}")
+    if config.persist_cache and config.cold_zone_dir is not None:  # the target locks its own
+        config = config.replace(cold_zone_dir=str(Path(config.cold_zone_dir) / DRAFT_FOLDER))
+    plan = device_plan_for(config, checkpoint.config, max_seq_len, target.dtype,
+                           model.num_parameter_bytes())
+    cache = build_kv_cache(config, checkpoint.config, plan, max_seq_len, target.device,
+                           target.dtype, fingerprint)
+    logger.info("draft model %s loaded (%d layers, %.0f MiB of weights); up to %d tokens drafted "
+                "a step", checkpoint.path.name, checkpoint.config.num_layers,
+                model.num_parameter_bytes() / 2**20, config.num_speculative_tokens)
+    return DraftModelProposer(model, cache, target.device, config.prefill_chunk_tokens)

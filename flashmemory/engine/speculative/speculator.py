@@ -1,0 +1,111 @@
+"""Speculator: the engine core's one handle on speculative decoding. It asks the proposer for a
+sequence's drafts within what one verification may carry, decides which the target keeps, keeps
+the counters (vLLM's spec-decode metrics), and turns a proposer's failure into plain decoding for
+that sequence, counted, never a wrong token."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from flashmemory.engine.sampling import Sampler
+from flashmemory.engine.sequence import Sequence
+from flashmemory.engine.speculative.proposal import Proposal, Proposer
+from flashmemory.engine.speculative.verify import accept
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecStats:
+    """Counters since start-up (the server exports them as flashmemory:spec_decode_*_total)."""
+
+    spec_decode_num_drafts: int = 0  # verification forwards that carried drafts
+    spec_decode_draft_tokens: int = 0  # tokens proposed
+    spec_decode_accepted_tokens: int = 0  # of them, kept by the target
+    # tokens verifications produced (kept drafts + the target's own)
+    spec_decode_emitted_tokens: int = 0
+    spec_decode_fallbacks: int = 0  # sequences whose proposer failed; they went on decoding plainly
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        drafted = self.spec_decode_draft_tokens
+        return self.spec_decode_accepted_tokens / drafted if drafted else 0.0
+
+    def as_dict(self) -> dict[str, int | float]:
+        return {**dataclasses.asdict(self),
+                "spec_decode_acceptance_rate": self.spec_decode_acceptance_rate}
+
+
+class Speculator:
+    """Drafts through `proposer`, at most `num_tokens` a step."""
+
+    def __init__(self, proposer: Proposer, num_tokens: int) -> None:
+        self.proposer = proposer
+        self.num_tokens = num_tokens
+        self.stats = SpecStats()
+        self._plain: set[int] = set()  # sequences whose proposer failed: decoded without drafts
+
+    def propose(self, seq: Sequence, sampler: Sampler, room: int) -> Proposal | None:
+        """Drafts for `seq`'s next step: at most `room` (what the step may verify) and the setting;
+        None to decode plainly."""
+        limit = min(self.num_tokens, room)
+        if limit < 1 or seq.seq_id in self._plain:
+            return None
+        try:
+            proposal = self.proposer.propose(seq, limit, sampler)
+        except Exception as e:  # noqa: BLE001 - drafting is an optimisation: the sequence goes on
+            self.fail(seq.seq_id, e)
+            return None
+        if proposal is None or not proposal.tokens:
+            return None
+        proposal.tokens = proposal.tokens[:limit]
+        if proposal.probs is not None:
+            proposal.probs = proposal.probs[:limit]
+        return proposal
+
+    def verify(self, proposal: Proposal, logits: torch.Tensor, sampler: Sampler) -> list[int]:
+        """The tokens to emit (kept drafts, then the target's own); see verify.accept."""
+        emitted = accept(proposal, logits, sampler)
+        s = self.stats
+        s.spec_decode_num_drafts += 1
+        s.spec_decode_draft_tokens += len(proposal.tokens)
+        s.spec_decode_accepted_tokens += len(emitted) - 1
+        s.spec_decode_emitted_tokens += len(emitted)
+        return emitted
+
+    def settle(self, seq: Sequence) -> None:
+        """After a step's tokens were emitted: the proposer forgets what it drafted past them."""
+        if seq.seq_id in self._plain:
+            return
+        try:
+            self.proposer.settle(seq)
+        except Exception as e:  # noqa: BLE001 - as in propose
+            self.fail(seq.seq_id, e)
+
+    def release(self, seq_id: int) -> None:
+        self._plain.discard(seq_id)
+        try:
+            self.proposer.release(seq_id)
+        except Exception as e:  # noqa: BLE001 - freeing a draft's KV must not fail the target's
+            logger.error("releasing the draft state of sequence %d failed: %s", seq_id, e,
+                         exc_info=True)
+
+    def close(self) -> None:
+        """Release what the proposer holds (a draft model's KV levels)."""
+        self.proposer.close()
+
+    def fail(self, seq_id: int, error: Exception) -> None:
+        """The sequence's drafting failed: it decodes plainly from here, counted."""
+        logger.error("the %s proposer failed for sequence %d (%s: %s); it decodes without drafts "
+                     "from here", self.proposer.name, seq_id, type(error).__name__, error,
+                     exc_info=True)
+        self.stats.spec_decode_fallbacks += 1
+        self._plain.add(seq_id)
+        try:
+            self.proposer.release(seq_id)
+        except Exception:  # noqa: BLE001 - already failing; what it held is lost with it
+            logger.debug("release after failure failed", exc_info=True)
