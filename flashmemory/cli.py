@@ -223,6 +223,34 @@ def _run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_spec(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench-spec",
+        help="speculative decoding (a draft model, prompt lookup) against the target alone",
+        description="Decode held-out prompts greedily with the target alone and with each drafter, "
+        "interleaved; print median decode speed, speed-up, acceptance and differing tokens.")
+    p.add_argument("--model", default=None,
+                   help="the target model (GGUF or HF folder; default: SmolLM2)")
+    p.add_argument("--draft-model", default=None, help="a draft model with the target's tokenizer")
+    p.add_argument("--ngram", action="store_true", help="also run prompt lookup")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (4)")
+    p.add_argument("--runs", type=int, default=3, help="interleaved runs (3)")
+    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt (64)")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads of every engine (2)")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="context of every engine (4096)")
+    p.add_argument("--text", default=None, help="long text for the summary prompt")
+    p.add_argument("--summary-tokens", type=int, default=2048,
+                   help="tokens of the text the summary prompt quotes (2048)")
+    p.add_argument("--json", default=None, help="write the report here")
+    p.set_defaults(func=lambda args: _bench_spec(args))
+
+
+def _bench_spec(args: argparse.Namespace) -> int:
+    from flashmemory.tools.bench.speculative import main as bench_spec
+
+    return bench_spec(args)
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
@@ -299,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_eval(sub)
     add_bench_command(sub)
+    _add_bench_spec(sub)
     add_diagnose_command(sub)
     add_doctor_command(sub)
     _add_serve(sub)

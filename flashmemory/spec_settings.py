@@ -31,6 +31,10 @@ class SpeculativeSettings:
         "max_tokens or of the context); at most 7, so one verification forward stays on the "
         "decode kernels", unit="tokens", ge=1, le=MAX_SPECULATIVE_TOKENS,
         flags=("--num-speculative-tokens", "--draft-max"))
+    speculative_adaptive: bool = setting(
+        True, "draft fewer tokens for a sequence whose drafts the target keeps less often (each "
+        "step at most num_speculative_tokens times the sequence's recent acceptance, at least "
+        "one); off (--no-speculative-adaptive): always num_speculative_tokens", negatable=True)
     prompt_lookup_max: int = setting(
         4, "longest n-gram prompt lookup matches (tried first)", unit="tokens", ge=1)
     prompt_lookup_min: int = setting(

@@ -44,7 +44,7 @@ ENGINE_SAMPLES = {
     "prefix_caching": False, "prefix_cache_host_mb": 16.0, "prefix_cache_disk_mb": 256.0, "persist_cache": True, "attention_backend": "torch",
     "scheduling_policy": "fcfs", "budget_controller": True, "budget_controller_min_fraction": 0.75,
     "speculative_method": "draft", "draft_model_path": "d.gguf", "num_speculative_tokens": 3,
-    "prompt_lookup_max": 5, "prompt_lookup_min": 3,
+    "speculative_adaptive": False, "prompt_lookup_max": 5, "prompt_lookup_min": 3,
 }
 SERVER_SAMPLES = {
     "host": "localhost", "port": 9001, "api_key": "k", "allow_unauthenticated": True, "enable_streaming": False,

@@ -213,8 +213,11 @@ class EngineCore:
         proposals = {}
         for seq, n in plan.scheduled:
             start = seq.num_computed_tokens
-            if n != 1 or start != seq.num_tokens - 1 or start < len(seq.prompt_ids):
-                continue  # prefill: nothing to draft yet
+            if start < len(seq.prompt_ids):  # prefill: nothing to draft; the drafter reads along
+                self.speculator.follow(seq, start + n)
+                continue
+            if n != 1 or start != seq.num_tokens - 1:
+                continue
             # The verification's tokens stay within the filling block and complete no block (the
             # scheduler reserved for one token); the emitted ones within max_tokens and the
             # context.
@@ -235,8 +238,8 @@ class EngineCore:
             if proposal is None:
                 continue
             try:
-                emitted[seq.seq_id] = self.speculator.verify(proposal, logits[row : row + rows],
-                                                             self._live[seq.seq_id].sampler)
+                emitted[seq.seq_id] = self.speculator.verify(
+                    seq.seq_id, proposal, logits[row : row + rows], self._live[seq.seq_id].sampler)
             except Exception as e:  # noqa: BLE001 - this sequence goes on without its drafts
                 self.speculator.fail(seq.seq_id, e)
         return emitted

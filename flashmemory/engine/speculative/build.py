@@ -44,8 +44,9 @@ def build_speculator(config: EngineConfig, target: Target) -> Speculator | None:
         return None
     if method == "ngram":
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        return Speculator(proposer, config.num_speculative_tokens)
-    return Speculator(_draft_proposer(config, target), config.num_speculative_tokens)
+    else:
+        proposer = _draft_proposer(config, target)
+    return Speculator(proposer, config.num_speculative_tokens, config.speculative_adaptive)
 
 
 def _draft_proposer(config: EngineConfig, target: Target) -> DraftModelProposer:

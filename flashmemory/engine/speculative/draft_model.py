@@ -31,12 +31,27 @@ class DraftModelProposer:
         self.chunk_tokens = chunk_tokens
         self._read: dict[int, list[int]] = {}  # per sequence: the tokens whose KV the draft holds
 
-    def propose(self, seq: Sequence, max_tokens: int, sampler: Sampler) -> Proposal | None:
-        tokens = seq.token_ids(0, seq.num_tokens)
+    def follow(self, seq: Sequence, num_tokens: int) -> None:
+        """One chunk of the prompt a step at most: a draft behind the target (the target reused a
+        prefix the draft's cache lacks) catches up over several steps, drafting nothing."""
+        read = self._state(seq)
+        end = min(num_tokens, len(seq.prompt_ids), len(read) + self.chunk_tokens)
+        if len(read) < end:
+            self._forward(seq.seq_id, read, seq.prompt_ids[len(read) : end], want_logits=False)
+
+    def _state(self, seq: Sequence) -> list[int]:
+        """The tokens the draft holds of `seq` (a new sequence starts with its cached prefix)."""
         read = self._read.get(seq.seq_id)
         if read is None:
             self.cache.add_sequence(seq.seq_id)
             read = self._read[seq.seq_id] = []
+            reused = self.cache.reuse_prefix(seq.seq_id, seq.prompt_ids)
+            read.extend(seq.prompt_ids[:reused])
+        return read
+
+    def propose(self, seq: Sequence, max_tokens: int, sampler: Sampler) -> Proposal | None:
+        tokens = seq.token_ids(0, seq.num_tokens)
+        read = self._state(seq)
         if tokens[: len(read)] != read:
             raise RuntimeError(f"draft of sequence {seq.seq_id}: its tokens changed under it")
         logits = self._catch_up(seq, read, tokens)

@@ -52,6 +52,9 @@ class NgramProposer:
                 return Proposal(tokens[start : start + max_tokens])
         return None
 
+    def follow(self, seq: Sequence, num_tokens: int) -> None:
+        """The index is built when a draft is asked for."""
+
     def settle(self, seq: Sequence) -> None:
         """Nothing drafted is kept: the index holds the sequence's own tokens only."""
 

@@ -31,6 +31,10 @@ class Proposer(Protocol):
         """At most `max_tokens` (>= 1) tokens that may follow all of `seq`'s tokens, drawn as
         `sampler` draws; None when there is nothing to offer this step."""
 
+    def follow(self, seq: Sequence, num_tokens: int) -> None:
+        """The target is prefilling `seq`'s first `num_tokens` tokens this step: read along (a
+        draft model prefills its own KV of the prompt then, not at the first decode step)."""
+
     def settle(self, seq: Sequence) -> None:
         """The verification is over: `seq` holds its final tokens; forget any drafted past them."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,19 +41,26 @@ class SpecStats:
                 "spec_decode_acceptance_rate": self.spec_decode_acceptance_rate}
 
 
-class Speculator:
-    """Drafts through `proposer`, at most `num_tokens` a step."""
+# Weight of the newest verification in a sequence's acceptance estimate (adaptive drafting).
+ACCEPTANCE_WEIGHT = 0.5
 
-    def __init__(self, proposer: Proposer, num_tokens: int) -> None:
+
+class Speculator:
+    """Drafts through `proposer`, at most `num_tokens` a step; with `adaptive`, each sequence's
+    drafts shrink with its recent acceptance."""
+
+    def __init__(self, proposer: Proposer, num_tokens: int, adaptive: bool = True) -> None:
         self.proposer = proposer
         self.num_tokens = num_tokens
+        self.adaptive = adaptive
         self.stats = SpecStats()
         self._plain: set[int] = set()  # sequences whose proposer failed: decoded without drafts
+        self._acceptance: dict[int, float] = {}  # per sequence: recent kept / drafted (1 at first)
 
     def propose(self, seq: Sequence, sampler: Sampler, room: int) -> Proposal | None:
         """Drafts for `seq`'s next step: at most `room` (what the step may verify) and the setting;
         None to decode plainly."""
-        limit = min(self.num_tokens, room)
+        limit = min(self.drafts_for(seq.seq_id), room)
         if limit < 1 or seq.seq_id in self._plain:
             return None
         try:
@@ -67,15 +75,34 @@ class Speculator:
             proposal.probs = proposal.probs[:limit]
         return proposal
 
-    def verify(self, proposal: Proposal, logits: torch.Tensor, sampler: Sampler) -> list[int]:
+    def drafts_for(self, seq_id: int) -> int:
+        """Tokens to draft for the sequence's next step (before the step's own limits)."""
+        if not self.adaptive:
+            return self.num_tokens
+        return max(1, math.ceil(self.num_tokens * self._acceptance.get(seq_id, 1.0)))
+
+    def verify(self, seq_id: int, proposal: Proposal, logits: torch.Tensor,
+               sampler: Sampler) -> list[int]:
         """The tokens to emit (kept drafts, then the target's own); see verify.accept."""
         emitted = accept(proposal, logits, sampler)
+        rate = (len(emitted) - 1) / len(proposal.tokens)
+        old = self._acceptance.get(seq_id, 1.0)
+        self._acceptance[seq_id] = (1 - ACCEPTANCE_WEIGHT) * old + ACCEPTANCE_WEIGHT * rate
         s = self.stats
         s.spec_decode_num_drafts += 1
         s.spec_decode_draft_tokens += len(proposal.tokens)
         s.spec_decode_accepted_tokens += len(emitted) - 1
         s.spec_decode_emitted_tokens += len(emitted)
         return emitted
+
+    def follow(self, seq: Sequence, num_tokens: int) -> None:
+        """The target prefills `seq` up to `num_tokens` this step: the proposer reads along."""
+        if seq.seq_id in self._plain:
+            return
+        try:
+            self.proposer.follow(seq, num_tokens)
+        except Exception as e:  # noqa: BLE001 - as in propose
+            self.fail(seq.seq_id, e)
 
     def settle(self, seq: Sequence) -> None:
         """After a step's tokens were emitted: the proposer forgets what it drafted past them."""
@@ -88,6 +115,7 @@ class Speculator:
 
     def release(self, seq_id: int) -> None:
         self._plain.discard(seq_id)
+        self._acceptance.pop(seq_id, None)
         try:
             self.proposer.release(seq_id)
         except Exception as e:  # noqa: BLE001 - freeing a draft's KV must not fail the target's

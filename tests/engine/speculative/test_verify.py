@@ -60,3 +60,21 @@ def test_a_draft_the_target_agrees_with_entirely_is_always_kept():
     for _ in range(50):
         emitted = accept(Proposal([1, 4], q), target, sampler)
         assert emitted[:2] == [1, 4] and len(emitted) == 3  # p == q: min(1, p / q) = 1
+
+
+def test_adaptive_drafting_shrinks_with_the_acceptance_and_a_fixed_k_does_not():
+    from flashmemory.engine.speculative.ngram import NgramProposer
+    from flashmemory.engine.speculative.speculator import Speculator
+
+    greedy = Sampler(SamplingParams(), torch.device("cpu"))
+    logits = torch.eye(6)[[2, 3, 5, 1, 0]] * 5
+    adaptive, fixed = Speculator(NgramProposer(1, 2), 4), Speculator(NgramProposer(1, 2), 4, False)
+    for spec in (adaptive, fixed):
+        assert spec.drafts_for(7) == 4
+        for _ in range(3):  # nothing kept, three times
+            spec.verify(7, Proposal([0, 0, 0, 0]), logits, greedy)
+    assert fixed.drafts_for(7) == 4 and adaptive.drafts_for(7) == 1
+    adaptive.verify(7, Proposal([2, 3, 5, 1]), logits, greedy)  # all kept: it grows again
+    assert adaptive.drafts_for(7) == 3
+    adaptive.release(7)
+    assert adaptive.drafts_for(7) == 4
