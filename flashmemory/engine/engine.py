@@ -21,8 +21,10 @@ from flashmemory.engine.request import SequenceOutput, SequenceRequest
 from flashmemory.engine.scheduling_policy import POLICIES, SchedulingPolicy
 from flashmemory.engine.scoring import ScoreResult, score_tokens
 from flashmemory.engine.stats import GenerationStats, peak_memory
-from flashmemory.errors import ConfigError, EngineBusyError, FlashMemoryError, PromptTooLongError
+from flashmemory.errors import (ConfigError, EngineBusyError, FlashMemoryError, MemoryBudgetError,
+                                PromptTooLongError)
 from flashmemory.engine.sizing import DevicePlan
+from flashmemory.engine.speculative.budget_split import BudgetSplit, split_budgets
 from flashmemory.engine.speculative.build import Target, build_speculator
 from flashmemory.engine.speculative.speculator import Speculator
 from flashmemory.kvcache.interface import KVCache
@@ -57,12 +59,16 @@ class FlashMemoryEngine:
                 f"({model_limit} tokens); lower max_seq_len or leave it unset"
             )
         self.max_seq_len = self.config.max_seq_len or model_limit
+        # A draft model shares every budget with the target (engine/speculative/budget_split.py).
+        self.draft_checkpoint = (open_checkpoint(self.config.draft_model_path)
+                                 if self.config.speculation == "draft" else None)
+        self.budget_split: BudgetSplit | None = self._split(self.config)
         # Before loading weights: a budget that cannot work fails fast.
         check_budgets(self.config)
         # Weights as stored (block formats at their size): estimated before loading, then measured.
         self.weights_bytes = weights_bytes(checkpoint, self.config.weights_dtype, self.dtype, self.device)
-        self.device_plan: DevicePlan | None = device_plan_for(self.config, self.model_config, self.max_seq_len,
-                                                               self.dtype, self.weights_bytes)
+        self.device_plan: DevicePlan | None = device_plan_for(
+            self._cache_config, self.model_config, self.max_seq_len, self.dtype, self.weights_bytes)
         self.model = build_model(checkpoint, self.device, self.dtype, self.config.weights_dtype)
         self.weights_bytes = self.model.num_parameter_bytes()
         if not self.config.rope_sharding:
@@ -70,9 +76,10 @@ class FlashMemoryEngine:
         self.tokenizer = Tokenizer.from_checkpoint(
             checkpoint.path, checkpoint.config.eos_token_ids, self.config.parse_special_tokens_in_content)
         self.cache: KVCache = self._build_cache()
-        self.speculator: Speculator | None = build_speculator(self.config, Target(
-            self.tokenizer, self.weights_bytes, self.max_seq_len, self.device, self.dtype,
-            self._kv_fingerprint_source()))
+        self.speculator: Speculator | None = build_speculator(
+            self.config if self.budget_split is None else self.budget_split.draft,
+            Target(self.tokenizer, self.weights_bytes, self.max_seq_len, self.device, self.dtype,
+                   self._kv_fingerprint_source()), self.draft_checkpoint)
         self.last_stats = GenerationStats()
         self.last_kv_stats: dict[str, int | float] = {}
         self.last_kv_snapshot: KVStats | None = None  # last_kv_stats, typed
@@ -87,11 +94,31 @@ class FlashMemoryEngine:
             self.device, str(self.dtype).removeprefix("torch."), self.load_seconds,
         )
 
+    @property
+    def _cache_config(self) -> EngineConfig:
+        """The settings the target's KV cache is built from: the engine's, less a draft's share."""
+        return self.config if self.budget_split is None else self.budget_split.target
+
+    def _split(self, config: EngineConfig) -> BudgetSplit | None:
+        if self.draft_checkpoint is None:
+            return None
+        return split_budgets(config, self.model_config, self.draft_checkpoint, self.dtype,
+                             self.device, self.max_seq_len)
+
     def _build_cache(self) -> KVCache:
-        self.device_plan = device_plan_for(self.config, self.model_config, self.max_seq_len, self.dtype,
-                                           self.weights_bytes)
-        return build_kv_cache(self.config, self.model_config, self.device_plan, self.max_seq_len, self.device,
-                              self.dtype, self._kv_fingerprint_source())
+        config = self._cache_config
+        try:
+            self.device_plan = device_plan_for(config, self.model_config, self.max_seq_len,
+                                               self.dtype, self.weights_bytes)
+        except MemoryBudgetError as e:
+            if self.budget_split is None or self.budget_split.draft_device_mb is None:
+                raise
+            raise MemoryBudgetError(
+                f"the draft model takes {self.budget_split.draft_device_mb} MiB of "
+                f"max_gpu_memory_mb={self.config.max_gpu_memory_mb}, leaving the target "
+                f"{config.max_gpu_memory_mb} MiB: {e}") from e
+        return build_kv_cache(config, self.model_config, self.device_plan, self.max_seq_len,
+                              self.device, self.dtype, self._kv_fingerprint_source())
 
     def _kv_fingerprint_source(self) -> str:
         """What this engine's KV depends on besides the tokens: the model file and config, the activation dtype and
@@ -250,6 +277,7 @@ class FlashMemoryEngine:
         self._require_idle("reconfigure_kv()")
         self.cache.close()  # the target's levels only: a draft model keeps its own
         self.config = new_config
+        self.budget_split = self._split(new_config)  # the draft's cache keeps its first share
         self.cache = self._build_cache()
         self.budget_controller = build_budget_controller(self.config, self.cache, self.device, self._refresh_capacity)
 

@@ -16,12 +16,10 @@ from flashmemory.engine.speculative.draft_model import DraftModelProposer
 from flashmemory.engine.speculative.ngram import NgramProposer
 from flashmemory.engine.speculative.speculator import Speculator
 from flashmemory.errors import ConfigError
-from flashmemory.model.loader import build_model, open_checkpoint, weights_bytes
+from flashmemory.model.loader import Checkpoint, build_model, weights_bytes
 from flashmemory.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-# Budgets each KV cache would take whole: with two models they must be split (not built yet).
-SHARED_BUDGETS = ("max_gpu_memory_mb", "cpu_memory_gb", "cold_zone_gb")
 DRAFT_FOLDER = "draft-model"  # a persistent cache's draft keeps its own cold zone in here
 
 
@@ -37,26 +35,23 @@ class Target:
     fingerprint: str  # the target's KV fingerprint source; the draft's names its own model
 
 
-def build_speculator(config: EngineConfig, target: Target) -> Speculator | None:
-    """None when speculative decoding is off."""
+def build_speculator(config: EngineConfig, target: Target,
+                     draft: Checkpoint | None = None) -> Speculator | None:
+    """None when speculative decoding is off; `config`: the draft's share of the budgets
+    (budget_split.py), `draft`: its checkpoint, opened."""
     method = config.speculation
     if method == "off":
         return None
     if method == "ngram":
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     else:
-        proposer = _draft_proposer(config, target)
+        assert draft is not None, "a draft model's checkpoint is opened with the target's"
+        proposer = _draft_proposer(config, target, draft)
     return Speculator(proposer, config.num_speculative_tokens, config.speculative_adaptive)
 
 
-def _draft_proposer(config: EngineConfig, target: Target) -> DraftModelProposer:
-    budgets = [name for name in SHARED_BUDGETS if getattr(config, name) is not None]
-    if budgets:
-        raise ConfigError(
-            f"a draft model is not yet sized within {', '.join(budgets)} together with the "
-            "target (each model's KV would get the whole budget): unset it, or use "
-            "speculative_method='ngram' (no second model)")
-    checkpoint = open_checkpoint(config.draft_model_path)
+def _draft_proposer(config: EngineConfig, target: Target,
+                    checkpoint: Checkpoint) -> DraftModelProposer:
     draft_bytes = weights_bytes(checkpoint, config.weights_dtype, target.dtype, target.device)
     if draft_bytes > target.weights_bytes:
         raise ConfigError(

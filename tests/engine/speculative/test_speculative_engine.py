@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flashmemory import FlashMemoryEngine
-from flashmemory.errors import ConfigError
+from flashmemory.errors import ConfigError, MemoryBudgetError
 from tests.helpers import write_tiny_model
 
 # Blocks of 8 tokens, two each on L0 and L1, the rest on L2: the answers below reach every level.
@@ -191,8 +191,6 @@ def test_bad_speculative_settings_say_the_fix(models, tmp_path):
         FlashMemoryEngine(target, speculative_method="ngram", draft_model_path=target)
     with pytest.raises(ConfigError, match="larger than the target"):
         FlashMemoryEngine(target, draft_model_path=str(models / "big"), cold_zone_dir=str(tmp_path))
-    with pytest.raises(ConfigError, match="not yet sized within cpu_memory_gb"):
-        FlashMemoryEngine(target, draft_model_path=target, cpu_memory_gb=1)
     with pytest.raises(ConfigError, match="prompt_lookup_min=5 is greater"):
         FlashMemoryEngine(target, speculative_method="ngram", prompt_lookup_min=5)
 
@@ -208,3 +206,35 @@ def test_a_draft_with_another_tokenizer_is_refused_with_the_fix(models, tmp_path
     with pytest.raises(ConfigError, match="does not share the target's tokenizer"):
         FlashMemoryEngine(str(models / "target"), draft_model_path=str(other),
                           cold_zone_dir=str(tmp_path))
+
+
+def test_both_models_kv_share_each_budget(models, tmp_path):
+    """cpu_memory_gb and cold_zone_gb hold both caches (split by KV bytes per token); under
+    max_gpu_memory_mb the draft takes what its decode needs, the target sizes L0 from the
+    rest."""
+    from flashmemory.engine.sizing import GIB, MIB
+
+    settings = dict(TIERED, max_seq_len=256, cold_zone_dir=str(tmp_path), cpu_memory_gb=0.01,
+                    cold_zone_gb=0.02, max_gpu_memory_mb=40)
+    alone = FlashMemoryEngine(str(models / "target"), **settings)
+    spec = FlashMemoryEngine(str(models / "target"), draft_model_path=str(models / "near"),
+                             **settings)
+    split = spec.budget_split
+    caches = [spec.cache, spec.speculator.proposer.cache]
+    host = sum(c.host_pool.capacity_bytes for c in caches)
+    assert host <= 0.01 * GIB and split.target.cpu_memory_gb + split.draft.cpu_memory_gb == \
+        pytest.approx(0.01)
+    assert split.target.cold_zone_gb + split.draft.cold_zone_gb == pytest.approx(0.02)
+    assert split.target.max_gpu_memory_mb + split.draft_device_mb == 40
+    assert spec.cache.cfg.device_slots < alone.cache.cfg.device_slots  # L0 gave room to the draft
+    assert spec.config.cpu_memory_gb == 0.01  # the user's settings read as given
+    plan = spec.device_plan
+    used = plan.weights_bytes + plan.device_slots * plan.slot_bytes
+    assert used + split.draft_device_mb * MIB <= 40 * MIB
+    spec.close(), alone.close()
+
+
+def test_a_device_budget_too_small_for_both_models_names_the_draft(models, tmp_path):
+    with pytest.raises(MemoryBudgetError, match="draft model"):
+        FlashMemoryEngine(str(models / "target"), draft_model_path=str(models / "near"),
+                          max_seq_len=256, cold_zone_dir=str(tmp_path), max_gpu_memory_mb=2)
