@@ -242,6 +242,9 @@ def _add_bench_spec(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--summary-tokens", type=int, default=2048,
                    help="tokens of the text the summary prompt quotes (2048)")
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--profile", action="store_true",
+                   help="also time one step's parts: the target's decode and verification "
+                   "forwards, the draft's decode")
     p.set_defaults(func=lambda args: _bench_spec(args))
 
 

@@ -119,11 +119,18 @@ def main(args) -> int:
                 acceptance[n][prompt] = kept / drafted
     report = table(cells, acceptance)
     print(report)
+    profile = None
+    if args.draft_model and args.profile:  # where a step's time goes, at the code prompt's length
+        from flashmemory.tools.bench.spec_profile import profile_step
+
+        profile = profile_step(engines[f"draft K={args.k}"], prompt_ids["code"], args.k)
+        parts = ", ".join(f"{name} {ms:.1f}" for name, ms in profile.items())
+        print(f"one step, ms (median of 5): {parts}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "draft_model": args.draft_model, "threads": args.threads,
             "runs": args.runs, "new_tokens": args.new_tokens, "k": args.k,
-            "load": os.getloadavg(), "table": report,
+            "load": os.getloadavg(), "table": report, "profile_ms": profile,
             "cells": {n: {p: vars(c) for p, c in cs.items()} for n, cs in cells.items()},
             "acceptance": acceptance}, indent=1))
     for e in engines.values():
