@@ -98,6 +98,12 @@ def _run_generate(args: argparse.Namespace) -> int:
         print(engine.last_stats.summary(), file=sys.stderr)
         if args.stats:
             print(format_kv_stats(engine.last_kv_snapshot), file=sys.stderr)
+            if engine.speculator is not None:
+                s = engine.speculator.stats
+                print(f"speculative {engine.speculator.proposer.name}: "
+                      f"{s.spec_decode_accepted_tokens} of {s.spec_decode_draft_tokens} drafted "
+                      f"tokens kept ({s.spec_decode_acceptance_rate:.0%}) in "
+                      f"{s.spec_decode_num_drafts} verifications", file=sys.stderr)
     finally:
         if bar is not None:
             bar.close()

@@ -96,3 +96,14 @@ def test_ctrl_c_during_prefill_exits_130_and_leaves_no_cold_zone_file(tiny_llama
     assert rc == 130
     assert capsys.readouterr().err.strip().endswith("interrupted")
     assert cold.is_dir() and not list(cold.iterdir())
+
+
+def test_generate_with_a_draft_model_prints_what_was_kept(tiny_llama, capsys):
+    rc = main(["generate", "--model", str(tiny_llama), "--draft-model", str(tiny_llama),
+               "--num-speculative-tokens", "3", "--prompt", "Alice was", "--max-new-tokens", "12",
+               "--stats"])
+    out, err = capsys.readouterr()
+    plain = main(["generate", "--model", str(tiny_llama), "--prompt", "Alice was",
+                  "--max-new-tokens", "12"])
+    assert rc == plain == 0 and capsys.readouterr().out == out  # the same greedy text
+    assert "speculative draft:" in err and "drafted tokens kept" in err
