@@ -28,7 +28,9 @@ def _timed_forward(model, cache, seq_id: int, start: int, tokens: list[int],
 def profile_step(engine, prompt_ids: list[int], k: int, reps: int = 5) -> dict[str, float]:
     """Median milliseconds of each part at `prompt_ids`' length (the engine has a draft model)."""
     proposer = engine.speculator.proposer
-    prompt_ids = prompt_ids[: len(prompt_ids) - len(prompt_ids) % 64]  # at a block's start
+    block = getattr(getattr(engine.cache, "cfg", None), "block_size", 1)
+    if len(prompt_ids) > block:  # end at a block's end, so the verification may carry every draft
+        prompt_ids = prompt_ids[: len(prompt_ids) - len(prompt_ids) % block]
     parts = {"target": (engine.model, engine.cache), "draft": (proposer.model, proposer.cache)}
     seq_id = engine.core.next_seq_id()
     for model, cache in parts.values():
