@@ -70,11 +70,11 @@ def test_an_error_mid_stream_sends_an_error_chunk_then_done_and_frees_the_blocks
         cache = server.worker.engine.cache
         commit, calls = cache.commit, []
 
-        def failing_commit(batch):
+        def failing_commit(batch, kept=None):
             calls.append(1)
             if len(calls) == 6:
                 raise CapacityError("simulated: a level is full")
-            return commit(batch)
+            return commit(batch, kept)
 
         cache.commit = failing_commit
         with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
