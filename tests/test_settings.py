@@ -21,8 +21,14 @@ def ids(cases: list[tuple[type, str]]) -> list[str]:
 
 
 def build(cls: type, **changes: object) -> object:
-    # block_size="auto" keeps active_window's cross-field rule (>= block_size) out of the bound under test
+    # Partners that keep cross-field rules out of the value under test: block_size="auto"
+    # (active_window >= block_size), a draft model for speculative_method="draft", the shortest
+    # n-gram for the longest.
     base = {"block_size": "auto"} if cls is EngineConfig and "block_size" not in changes else {}
+    if cls is EngineConfig and changes.get("speculative_method") == "draft":
+        base["draft_model_path"] = "draft.gguf"
+    if cls is EngineConfig and "prompt_lookup_max" in changes:
+        base["prompt_lookup_min"] = 1
     return cls(**{**base, **changes})
 
 
