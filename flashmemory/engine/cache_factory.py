@@ -18,6 +18,14 @@ from flashmemory.kvcache.tiered import TieredKVCache
 from flashmemory.model.model_config import ModelConfig
 
 
+def kv_fingerprint_source(model_path: object, model_config: ModelConfig, dtype: torch.dtype,
+                          weights_dtype: str) -> str:
+    """What a model's KV depends on besides the tokens: the model file and config, the activation
+    dtype and how the weights are kept (the same prompt's KV under other weights or dtype must not
+    be reused)."""
+    return f"{model_path}:{model_config}:{dtype}:weights={weights_dtype}"
+
+
 def check_budgets(config: EngineConfig) -> None:
     """L1 against the free RAM, L2 against the free disk (the tiered cache only: the contiguous one uses neither)."""
     if config.kv_cache == "tiered":

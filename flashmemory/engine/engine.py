@@ -12,7 +12,9 @@ import torch
 
 from flashmemory.config import EngineConfig
 from flashmemory.engine.budget_controller import BudgetController
-from flashmemory.engine.cache_factory import build_budget_controller, build_kv_cache, check_budgets, device_plan_for
+from flashmemory.engine.cache_factory import (build_budget_controller, build_kv_cache,
+                                              check_budgets, device_plan_for,
+                                              kv_fingerprint_source)
 from flashmemory.engine.core import Delivery, EngineCore
 from flashmemory.engine.forward import forward_chunks
 from flashmemory.engine.observer import StepObserver
@@ -121,9 +123,8 @@ class FlashMemoryEngine:
                               self.device, self.dtype, self._kv_fingerprint_source())
 
     def _kv_fingerprint_source(self) -> str:
-        """What this engine's KV depends on besides the tokens: the model file and config, the activation dtype and
-        how the weights are kept (the same prompt's KV under other weights or dtype must not be reused)."""
-        return f"{self.model_path}:{self.model_config}:{self.dtype}:weights={self.config.weights_dtype}"
+        return kv_fingerprint_source(self.model_path, self.model_config, self.dtype,
+                                     self.config.weights_dtype)
 
     # ---- the engine core ---------------------------------------------------------------------------------------
 

@@ -74,8 +74,8 @@ class ForwardPlanner:
                 seq, row, new_k, new_v = self.begin(layer, s, q[rows], k[rows], v[rows])
             for i in range(s.num_new_tokens):
                 reads = [LevelRead(level, plan, None) for level, plan in seq.plan.items()]
-                earlier = torch.stack((new_k[:, :i], new_v[:, :i]))  # the tokens before it
-                token_row = row if i == 0 else torch.cat((row, earlier), dim=2)
+                token_row = row if i == 0 else torch.cat(  # with the tokens before it
+                    (row, torch.stack((new_k[:, :i], new_v[:, :i]))), dim=2)
                 seqs.append(SequenceDecode(s.seq_id, token_row, new_k[:, i : i + 1],
                                            new_v[:, i : i + 1], reads))
         if self.cfg.selection == "quest":

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from flashmemory.config import EngineConfig
-from flashmemory.engine.cache_factory import build_kv_cache, device_plan_for
+from flashmemory.engine.cache_factory import build_kv_cache, device_plan_for, kv_fingerprint_source
 from flashmemory.engine.speculative.draft_model import DraftModelProposer
 from flashmemory.engine.speculative.ngram import NgramProposer
 from flashmemory.engine.speculative.speculator import Speculator
@@ -65,21 +65,20 @@ def _draft_proposer(config: EngineConfig, target: Target,
             f"({tokenizer.vocab_size} against {target.tokenizer.vocab_size} tokens, or the same "
             "ids for other texts); drafting across tokenizers is not built yet: pick a draft of "
             "the target's family, or use speculative_method='ngram'")
-    max_seq_len = min(target.max_seq_len, checkpoint.config.max_context_tokens)
-    if max_seq_len < target.max_seq_len:
+    context = checkpoint.config.max_context_tokens
+    if context < target.max_seq_len:
         raise ConfigError(
-            f"the draft model {checkpoint.path.name} reads at most "
-            f"{checkpoint.config.max_context_tokens} tokens, fewer than the target's "
-            f"{target.max_seq_len}: lower max_seq_len to {max_seq_len}, or pick a draft with "
-            "the target's context")
+            f"the draft model {checkpoint.path.name} reads at most {context} tokens, fewer than "
+            f"the target's {target.max_seq_len}: lower max_seq_len to {context}, or pick a draft "
+            "with the target's context")
     model = build_model(checkpoint, target.device, target.dtype, config.weights_dtype)
-    fingerprint = (f"{checkpoint.path}:{checkpoint.config}:{target.dtype}:"
-                   f"weights={config.weights_dtype}:draft-of={target.fingerprint}")
+    fingerprint = (kv_fingerprint_source(checkpoint.path, checkpoint.config, target.dtype,
+                                         config.weights_dtype) + f":draft-of={target.fingerprint}")
     if config.persist_cache and config.cold_zone_dir is not None:  # the target locks its own
         config = config.replace(cold_zone_dir=str(Path(config.cold_zone_dir) / DRAFT_FOLDER))
-    plan = device_plan_for(config, checkpoint.config, max_seq_len, target.dtype,
+    plan = device_plan_for(config, checkpoint.config, target.max_seq_len, target.dtype,
                            model.num_parameter_bytes())
-    cache = build_kv_cache(config, checkpoint.config, plan, max_seq_len, target.device,
+    cache = build_kv_cache(config, checkpoint.config, plan, target.max_seq_len, target.device,
                            target.dtype, fingerprint)
     logger.info("draft model %s loaded (%d layers, %.0f MiB of weights); up to %d tokens drafted "
                 "a step", checkpoint.path.name, checkpoint.config.num_layers,
