@@ -1,11 +1,12 @@
 """`flashmemory bench-spec`: speculative decoding against the target alone, side by side.
 
 Every engine (the target alone, the target with a draft model, the target with prompt lookup) is
-loaded once; each run decodes every prompt with every engine in turn (interleaved, so the
-machine's load falls on all alike), greedy, and the table gives the median decode speed, the
-speed-up over the target alone in the same runs, the acceptance, and the tokens that differ from
-the target's own output (0 is the rule). Held-out prompts: two chat questions, a code completion
-and a summary of a window of a long text (2K tokens by default).
+loaded once; prompt by prompt, each run decodes the prompt with every engine in turn (interleaved,
+so the machine's load falls on all alike; one prompt at a time, so acceptance is per task),
+greedy. The table gives the median decode speed, the speed-up over the target alone in the same
+runs, the acceptance, and the tokens that differ from the target's own output (0 is the rule).
+Held-out prompts: two chat questions, a code completion and a summary of a window of a long text
+(2K tokens by default).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def main(args) -> int:
     def log(message: str) -> None:
         print(message, flush=True)
 
-    cells = {e: {p: Cell() for p in prompt_ids} for e in engines}
+    cells: dict[str, dict[str, Cell]] = {e: {} for e in engines}  # filled prompt by prompt
     for prompt, ids in prompt_ids.items():  # per prompt, so acceptance is per task
         before = {n: _counts(e) for n, e in engines.items()}
         part = run(engines, {prompt: ids}, args.runs, args.new_tokens, log)
