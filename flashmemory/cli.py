@@ -237,7 +237,8 @@ def _add_bench_spec(sub: argparse._SubParsersAction) -> None:
         "interleaved; print median decode speed, speed-up, acceptance and differing tokens.")
     p.add_argument("--model", default=None,
                    help="the target model (GGUF or HF folder; default: SmolLM2)")
-    p.add_argument("--draft-model", default=None, help="a draft model with the target's tokenizer")
+    p.add_argument("--draft-model", default=None,
+                   help="a smaller draft model (another tokenizer is bridged)")
     p.add_argument("--ngram", action="store_true", help="also run prompt lookup")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (4)")
     p.add_argument("--runs", type=int, default=3, help="interleaved runs (3)")

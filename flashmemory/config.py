@@ -78,7 +78,7 @@ class EngineConfig(SpeculativeSettings, KVSettings, RunSettings):
         method, draft = self.speculative_method, self.draft_model_path
         if method == "draft" and draft is None:
             raise ConfigError("speculative_method='draft' needs draft_model_path (a smaller model "
-                              "with the target's tokenizer); or use speculative_method='ngram'")
+                              "than the target); or use speculative_method='ngram'")
         if method in ("ngram", "off") and draft is not None:
             raise ConfigError(f"draft_model_path is set but speculative_method={method!r} does not "
                               "use it: drop draft_model_path, or set speculative_method='draft'")

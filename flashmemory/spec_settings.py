@@ -24,7 +24,7 @@ class SpeculativeSettings:
         "the tokens that followed the last earlier occurrence of the newest n-gram) or off",
         choices=("auto", "draft", "ngram", "off"))
     draft_model_path: str | None = setting(
-        None, "GGUF file or HF safetensors folder of a smaller model with the target's tokenizer "
+        None, "GGUF file or HF safetensors folder of a smaller model "
         "that drafts tokens; None = no draft model", flags=("--draft-model", "--model-draft"))
     num_speculative_tokens: int = setting(
         4, "tokens drafted per decode step at most (fewer near the end of a KV block, of "

@@ -20,8 +20,9 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def write_tiny_tokenizer(folder: Path, vocab_size: int = 320) -> int:
-    """Train a byte-level BPE on a small corpus and save it as a transformers tokenizer; returns its size."""
+def write_tiny_tokenizer(folder: Path, vocab_size: int = 320, corpus: str = CORPUS) -> int:
+    """Train a byte-level BPE on a small corpus and save it as a transformers tokenizer; returns its
+    size (259: the bytes and the control tokens, no merges)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -31,7 +32,7 @@ def write_tiny_tokenizer(folder: Path, vocab_size: int = 320) -> int:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tok.train_from_iterator([CORPUS], trainer)
+    tok.train_from_iterator([corpus], trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
@@ -58,12 +59,14 @@ def tiny_hf_config(arch: str, vocab_size: int, **overrides: Any):
     return cls(**common)
 
 
-def write_tiny_model(folder: Path, arch: str = "LlamaForCausalLM", seed: int = 0, **overrides: Any):
-    """Write a tiny random HF checkpoint (config.json, model.safetensors, tokenizer) and return the HF model."""
+def write_tiny_model(folder: Path, arch: str = "LlamaForCausalLM", seed: int = 0,
+                     tokenizer_size: int = 320, tokenizer_corpus: str = CORPUS, **overrides: Any):
+    """Write a tiny random HF checkpoint (config.json, model.safetensors, a tokenizer of
+    `tokenizer_size` trained on `tokenizer_corpus`) and return the HF model."""
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = write_tiny_tokenizer(folder)
+    vocab = write_tiny_tokenizer(folder, tokenizer_size, tokenizer_corpus)
     config = tiny_hf_config(arch, vocab, **overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).float().eval()

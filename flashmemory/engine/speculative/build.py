@@ -1,6 +1,6 @@
 """The engine's Speculator from its settings: prompt lookup, or a draft model loaded beside the
 target (its own weights and KV cache, built from the same KV settings) after the checks that it
-can draft for this target: the same tokenizer, not larger."""
+can draft for this target: not larger, a context as long; another tokenizer is bridged."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import torch
 
 from flashmemory.config import EngineConfig
 from flashmemory.engine.cache_factory import build_kv_cache, device_plan_for, kv_fingerprint_source
-from flashmemory.engine.speculative.draft_model import DraftModelProposer
+from flashmemory.engine.speculative.draft_model import DraftBridges, DraftModelProposer
 from flashmemory.engine.speculative.ngram import NgramProposer
 from flashmemory.engine.speculative.speculator import Speculator
 from flashmemory.errors import ConfigError
 from flashmemory.model.loader import Checkpoint, build_model, weights_bytes
+from flashmemory.model.token_bridge import TokenBridge
 from flashmemory.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,12 +60,9 @@ def _draft_proposer(config: EngineConfig, target: Target,
             f"larger than the target ({target.weights_bytes / 2**20:.0f} MiB): a draft saves time "
             "only when it is much smaller; swap them, or pick a smaller draft")
     tokenizer = Tokenizer.from_checkpoint(checkpoint.path, checkpoint.config.eos_token_ids)
+    bridges = None
     if tokenizer.vocabulary() != target.tokenizer.vocabulary():
-        raise ConfigError(
-            f"the draft model {checkpoint.path.name} does not share the target's tokenizer "
-            f"({tokenizer.vocab_size} against {target.tokenizer.vocab_size} tokens, or the same "
-            "ids for other texts); drafting across tokenizers is not built yet: pick a draft of "
-            "the target's family, or use speculative_method='ngram'")
+        bridges = _bridges(checkpoint, tokenizer, target.tokenizer)
     context = checkpoint.config.max_context_tokens
     if context < target.max_seq_len:
         raise ConfigError(
@@ -83,4 +81,17 @@ def _draft_proposer(config: EngineConfig, target: Target,
     logger.info("draft model %s loaded (%d layers, %.0f MiB of weights); up to %d tokens drafted "
                 "a step", checkpoint.path.name, checkpoint.config.num_layers,
                 model.num_parameter_bytes() / 2**20, config.num_speculative_tokens)
-    return DraftModelProposer(model, cache, target.device, config.prefill_chunk_tokens)
+    return DraftModelProposer(model, cache, target.device, config.prefill_chunk_tokens,
+                              target.max_seq_len, bridges)
+
+
+def _bridges(checkpoint: Checkpoint, draft: Tokenizer, target: Tokenizer) -> DraftBridges:
+    """The token bridges between a draft of another vocabulary and the target (a ConfigError
+    naming the fix where the draft's tokens cannot be read as bytes)."""
+    bridges = DraftBridges(to_draft=TokenBridge.between(target, draft),
+                           to_target=TokenBridge.between(draft, target))
+    logger.info("the draft model %s has another tokenizer (%d tokens against %d): drafting "
+                "through a token bridge; %.0f %% of its tokens are one target token",
+                checkpoint.path.name, draft.vocab_size, target.vocab_size,
+                100 * bridges.to_target.mapped_share)
+    return bridges

@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flashmemory import FlashMemoryEngine
+from flashmemory.engine.sequence import Sequence
 from flashmemory.errors import ConfigError, MemoryBudgetError
-from tests.helpers import write_tiny_model
+from tests.helpers import CORPUS, write_tiny_model
 
 # Blocks of 8 tokens, two each on L0 and L1, the rest on L2: the answers below reach every level.
 TIERED = dict(block_size=8, active_window=16, warm_tokens=16, prefill_chunk_tokens=24,
@@ -91,14 +92,14 @@ def test_greedy_output_is_the_targets_own(models, plain_answers, cache, drafter,
     if drafter == "draft-self":  # the target drafting for itself: every draft kept
         assert stats.spec_decode_accepted_tokens == stats.spec_decode_draft_tokens
     assert spec.cache.sequence_ids() == []
-    assert getattr(spec.speculator.proposer, "_read", {}) == {}  # nothing of a draft left
+    assert getattr(spec.speculator.proposer, "_states", {}) == {}  # nothing of a draft left
     spec.close()
 
 
-def _tables(engine: FlashMemoryEngine) -> list:
-    """The target's KV as plain decoding and verification must both leave it: each level's used
-    slots and their bytes, the prefix cache's named blocks."""
-    cache = engine.cache
+def _tables(owner) -> list:
+    """The KV of an engine (or a draft) as plain decoding and verification must both leave it:
+    each level's used slots and their bytes, the prefix cache's named blocks."""
+    cache = owner.cache
     out: list = [{level: a.num_used for level, a in cache.blocks.allocators.items()}]
     for name, block in sorted(cache.prefix_cache.index.items()):
         out.append((name, dict(block.slots)))
@@ -147,7 +148,7 @@ def test_a_draft_that_fails_mid_request_falls_back_to_plain_decoding(models, tmp
     monkeypatch.setattr(proposer, "_forward", flaky)
     assert _greedy(spec, PROMPTS[1]) == _greedy(plain, PROMPTS[1])
     assert spec.speculator.stats.spec_decode_fallbacks == 1
-    assert proposer._read == {} and proposer.cache.sequence_ids() == []  # its KV freed
+    assert proposer._states == {} and proposer.cache.sequence_ids() == []  # its KV freed
     spec.close(), plain.close()
 
 
@@ -195,17 +196,115 @@ def test_bad_speculative_settings_say_the_fix(models, tmp_path):
         FlashMemoryEngine(target, speculative_method="ngram", prompt_lookup_min=5)
 
 
-def test_a_draft_with_another_tokenizer_is_refused_with_the_fix(models, tmp_path):
-    other = tmp_path / "other"
-    write_tiny_model(other, num_hidden_layers=1, seed=3)
-    spec = json.loads((other / "tokenizer.json").read_text())
-    vocab = spec["model"]["vocab"]  # two tokens swap ids: the same texts, other ids
-    a, b = list(vocab)[100:102]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (other / "tokenizer.json").write_text(json.dumps(spec))
-    with pytest.raises(ConfigError, match="does not share the target's tokenizer"):
-        FlashMemoryEngine(str(models / "target"), draft_model_path=str(other),
-                          cold_zone_dir=str(tmp_path))
+def _permuted_twin(source: Path, folder: Path, seed: int = 5) -> None:
+    """The source model under other ids: its tokenizer's text tokens renumbered, its embedding
+    and output rows moved with them; the control tokens keep theirs. The same model, another
+    vocabulary."""
+    shutil.copytree(source, folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    fixed = {a["id"] for a in spec["added_tokens"]}
+    movable = sorted(i for i in vocab.values() if i not in fixed)
+    order = torch.randperm(len(movable), generator=torch.Generator().manual_seed(seed)).tolist()
+    new_id = dict(zip(movable, [movable[k] for k in order]))
+    spec["model"]["vocab"] = {t: new_id.get(i, i) for t, i in vocab.items()}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    weights = load_file(folder / "model.safetensors")
+    rows = torch.arange(len(vocab))
+    rows[torch.tensor(list(new_id.values()))] = torch.tensor(list(new_id.keys()))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        weights[name] = weights[name][rows].contiguous()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def bridged(tmp_path_factory):
+    """A target; a draft whose tokenizer was trained on other text (other tokens, other ids); a
+    byte-vocabulary target (no merges: every reading of a text is its reading) and its twin
+    under permuted ids."""
+    root = tmp_path_factory.mktemp("bridged")
+    other_text = CORPUS.upper() + " ".join(reversed(CORPUS.split()[:20]))
+    write_tiny_model(root / "target", num_hidden_layers=3, seed=0)
+    write_tiny_model(root / "other", num_hidden_layers=2, seed=1, tokenizer_size=360,
+                     tokenizer_corpus=other_text)
+    write_tiny_model(root / "bytes", num_hidden_layers=2, seed=4, tokenizer_size=259)
+    _permuted_twin(root / "bytes", root / "twin")
+    return root
+
+
+@pytest.mark.parametrize("cache", ["tiered-q8", "contiguous-q8"])
+def test_a_draft_with_another_tokenizer_drafts_through_the_bridge(bridged, cache, tmp_path):
+    settings = dict(CACHES[cache], max_seq_len=256)
+    plain = FlashMemoryEngine(str(bridged / "target"), cold_zone_dir=str(tmp_path / "a"),
+                              **settings)
+    spec = FlashMemoryEngine(str(bridged / "target"), cold_zone_dir=str(tmp_path / "b"),
+                             draft_model_path=str(bridged / "other"), num_speculative_tokens=4,
+                             **settings)
+    assert spec.speculator.proposer.bridges is not None
+    for prompt in [*PROMPTS, "Caf\u00e9 na\u00efve \u4f60\u597d \U0001f600 and 0123"]:
+        assert _greedy(spec, prompt, 40) == _greedy(plain, prompt, 40), prompt
+    stats = spec.speculator.stats
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_fallbacks == 0
+    assert spec.speculator.proposer._states == {} and spec.cache.sequence_ids() == []
+    spec.close(), plain.close()
+
+
+def test_the_bridge_loses_nothing_where_both_vocabularies_spell_the_same(bridged, tmp_path):
+    """The byte-vocabulary model drafting for itself under other ids: every draft is kept, so
+    every token went through the bridge and back unchanged, text and control tokens alike."""
+    settings = dict(CACHES["tiered-q8"], max_seq_len=256)
+    plain = FlashMemoryEngine(str(bridged / "bytes"), cold_zone_dir=str(tmp_path / "a"),
+                              **settings)
+    spec = FlashMemoryEngine(str(bridged / "bytes"), cold_zone_dir=str(tmp_path / "b"),
+                             draft_model_path=str(bridged / "twin"), num_speculative_tokens=5,
+                             speculative_adaptive=False, **settings)
+    chat = [{"role": "user", "content": "Caf\u00e9 \u4f60\u597d, tell me about Paris."}]
+    prompts = [PROMPTS[1], plain.tokenizer.apply_chat_template(chat)]
+    for prompt in prompts:
+        got = spec.generate_token_ids(prompt, max_new_tokens=48, ignore_eos=True)
+        assert got == plain.generate_token_ids(prompt, max_new_tokens=48, ignore_eos=True)
+    stats = spec.speculator.stats
+    assert stats.spec_decode_draft_tokens > 40
+    assert stats.spec_decode_accepted_tokens == stats.spec_decode_draft_tokens
+    spec.close(), plain.close()
+
+
+def test_rollback_leaves_the_drafts_kv_as_reading_only_the_kept_tokens_does(models, tmp_path,
+                                                                             monkeypatch):
+    """The draft's cache after drafts were rejected and forgotten equals, level by level and
+    byte for byte, a fresh draft cache that read the same tokens and never drafted."""
+    settings = dict(CACHES["tiered-q8"], max_seq_len=256, draft_model_path=str(models / "near"))
+    spec = FlashMemoryEngine(str(models / "target"), cold_zone_dir=str(tmp_path / "a"),
+                             **settings)
+    proposer = spec.speculator.proposer
+    held: dict = {}
+    release = proposer.release
+
+    def keep_then_release(seq_id: int) -> None:
+        if seq_id in proposer._states:
+            held["read"] = list(proposer._states[seq_id].read)
+        release(seq_id)
+
+    monkeypatch.setattr(proposer, "release", keep_then_release)
+    prompt = spec.tokenizer.encode(PROMPTS[1])
+    _greedy(spec, prompt, 60)
+    stats = spec.speculator.stats
+    assert stats.spec_decode_draft_tokens > stats.spec_decode_accepted_tokens > 0
+
+    fresh = FlashMemoryEngine(str(models / "target"), cold_zone_dir=str(tmp_path / "b"),
+                              **settings)
+    never = fresh.speculator.proposer
+    seq = Sequence(0, prompt, max_tokens=100)
+    seq.output_ids = held["read"][len(prompt):]
+    while never._states.get(0) is None or len(never._states[0].read) < len(prompt):
+        never.follow(seq, len(prompt))
+    state = never._states[0]
+    never._read_target(state, seq, seq.num_tokens)
+    never._catch_up(seq, state)  # the kept tokens as decode steps, no drafts
+    assert state.read == held["read"]
+    never.release(0)
+    assert _same(_tables(proposer), _tables(never))  # every level, slot for slot, byte for byte
+    spec.close(), fresh.close()
 
 
 def test_both_models_kv_share_each_budget(models, tmp_path):
