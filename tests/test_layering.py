@@ -21,7 +21,7 @@ RANKS = {
     "flashmemory.config_args": 0,
     "flashmemory.kvcache": 1, "flashmemory.model": 1,
     "flashmemory.engine": 2,
-    "flashmemory.serve": 3, "flashmemory.tools": 3,
+    "flashmemory.serve": 3, "flashmemory.tools": 3, "flashmemory.pipeline": 3,
     "flashmemory.cli": 4, "flashmemory.__main__": 4, "flashmemory": 4,
 }
 TORCH_FREE = ("flashmemory.rss", "flashmemory.snapshot_format", "flashmemory.kvcache.manager",

@@ -74,6 +74,14 @@ def add_needle_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--heatmaps-dir", default=None, help="write one length x depth PNG per config here"
     )
+    g.add_argument(
+        "--needle-condense-with",
+        default=None,
+        metavar="READER",
+        help="also run the seeds' pipeline: this smaller model (GGUF or HF folder; another "
+        "tokenizer is bridged) condenses each haystack, the model answers from what it kept "
+        "(flashmemory/pipeline; without --config, the only configuration besides exact)",
+    )
 
 
 def run_needles(
@@ -108,7 +116,9 @@ def run_needles(
         args.needle_layout,
     )
     trials = list(build_trials(TrialBuilder(engine.tokenizer, text), spec))
-    configs = configs or DEFAULT_CONFIGS
+    condense_with = getattr(args, "needle_condense_with", None)
+    if not configs:
+        configs = {} if condense_with else DEFAULT_CONFIGS
     too_long = [t for t in trials if len(t.token_ids) + t.max_new_tokens > engine.max_seq_len]
     if too_long:  # refused before any trial runs, not at the first one that reaches the limit
         worst = max(too_long, key=lambda t: len(t.token_ids) + t.max_new_tokens)
@@ -152,6 +162,12 @@ def run_needles(
             )
 
     runs = run_suite(engine, trials, configs, progress, on_config=save, prefill=prefill)
+    if condense_with:
+        from flashmemory.tools.needles.condensed import run_condensed
+
+        runs.append(run_condensed(engine, condense_with, trials, progress))
+        save(runs)
+        print(_condense_line(runs[-1]), file=sys.stderr)
     print(report.format_table(runs))
     print()
     print(report.format_regressions(runs))
@@ -159,3 +175,11 @@ def run_needles(
         for path in report.write_heatmaps(runs, Path(args.heatmaps_dir)):
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _condense_line(run) -> str:
+    s = run.kv_stats
+    return (f"{run.name}: needles kept {s.get('condense_needles_kept', 0):.0%}, reader "
+            f"{s.get('condense_reader_s_median', 0):.1f} s and answer "
+            f"{s.get('condense_answer_s_median', 0):.1f} s per trial (medians), answer prompts of "
+            f"{s.get('condense_prompt_tokens_median', 0):.0f} tokens")

@@ -88,6 +88,9 @@ def _sight(needle: dict[str, Any] | None) -> str:
     """Where the needle was while the config decoded (needles/probe.py), for a regression's line."""
     if not needle:
         return ""
+    if needle.get("condensed"):
+        return (f"; the reader {'kept' if needle['needle_kept'] else 'dropped'} the needle "
+                f"({needle['prompt_tokens']} prompt tokens)")
     if not needle["candidates"]:
         return f"; needle in {needle['level']} (read whole)"
     return (

@@ -113,6 +113,8 @@ def build_shared(
                 ANSWER_TOKENS[task],
                 targets,
                 shared_prefix_tokens=len(ids),
+                question=q.question,
+                document_span=(len(head), len(ids)),
             )
         )
     return trials

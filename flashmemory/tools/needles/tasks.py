@@ -107,6 +107,8 @@ class NeedleTrial:
     # The shared layout: the first tokens, the haystack, are the same in every trial of its length
     # and seed
     shared_prefix_tokens: int = 0
+    question: str = ""  # as asked, without the answer's first words
+    document_span: tuple[int, int] = (0, 0)  # [start, end) of the haystack text in token_ids
 
     @property
     def key(self) -> str:
@@ -351,16 +353,20 @@ class TrialBuilder:
         body = self.text_ids[start : start + budget]
         order = sorted(range(len(q.needles)), key=lambda i: q.needles[i].depth)
         ids, spans, cursor = self.head_ids + enc(INTRO[task]), {}, 0
+        document_start = len(ids)
         for i in order:
             cut = max(cursor, int(budget * min(max(q.needles[i].depth, 0.0), 1.0)))
             ids += body[cursor:cut]
             cursor = cut
             spans[i] = (len(ids), len(ids) + len(needle_ids[i]))
             ids += needle_ids[i]
-        ids += body[cursor:] + closing
+        ids += body[cursor:]
+        document_end = len(ids)
+        ids += closing
         targets = [
             spans[i] for i, n in enumerate(q.needles) if n.target
         ]  # the one at `depth` first
         return NeedleTrial(
-            task, length_tokens, depth, seed, ids, q.expected, ANSWER_TOKENS[task], targets
+            task, length_tokens, depth, seed, ids, q.expected, ANSWER_TOKENS[task], targets,
+            question=q.question, document_span=(document_start, document_end),
         )

@@ -12,6 +12,7 @@ import torch
 from flashmemory.cli import main
 from flashmemory.errors import ConfigError
 from flashmemory.kvcache.read.reader import BlockReader
+from flashmemory.model.tokenizer import Tokenizer
 from flashmemory.tools.needles import report
 from flashmemory.tools.needles.runner import (
     BASELINE,
@@ -182,3 +183,29 @@ def test_a_config_that_never_reads_the_needle_is_caught(engine, monkeypatch):
     lost = report.regressions(baseline, blind)
     assert lost, "dropping the needle's blocks changed no answer"
     assert "blind: number length 400" in report.format_regressions([baseline, exact_tiered, blind])
+
+
+def test_the_condense_pipeline_runs_on_the_same_trials_beside_exact(tiny_long, tmp_path, capsys):
+    """`--needle-condense-with`: a reader of another vocabulary condenses each trial's haystack
+    (its span in the trial holds the needles), the model answers from what it kept; the report
+    counts it as a configuration against exact and says whether each needle survived."""
+    reader = tmp_path / "reader"
+    write_tiny_model(reader, num_hidden_layers=1, seed=3, max_position_embeddings=1024,
+                     tokenizer_size=300, tokenizer_corpus=TEXT.upper())
+    builder = TrialBuilder(Tokenizer.from_checkpoint(tiny_long, []), TEXT)
+    for trial in build_trials(builder, SuiteSpec(("number", "multikey"), (400,), (0.2, 0.8))):
+        start, end = trial.document_span
+        assert trial.question and all(start <= a < b <= end for a, b in trial.target_spans)
+    out = tmp_path / "n.json"
+    rc = _eval_needles(
+        tiny_long, tmp_path, "--needle-tasks", "number", "multikey", "--needle-lengths", "400",
+        "--needle-depths", "0.2", "0.8", "--json", str(out), "--needle-condense-with", str(reader),
+    )  # fmt: skip
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "| condensed-by-reader |" in captured.out and "needles kept" in captured.err
+    data = json.loads(out.read_text())
+    assert [c["name"] for c in data["configs"]] == [BASELINE, "condensed-by-reader"]
+    condensed = data["configs"][1]
+    assert {r["needle"]["condensed"] for r in condensed["results"]} == {True}
+    assert 0 <= condensed["kv_stats"]["condense_needles_kept"] <= 1
