@@ -237,8 +237,9 @@ def _add_bench_spec(sub: argparse._SubParsersAction) -> None:
         "interleaved; print median decode speed, speed-up, acceptance and differing tokens.")
     p.add_argument("--model", default=None,
                    help="the target model (GGUF or HF folder; default: SmolLM2)")
-    p.add_argument("--draft-model", default=None,
-                   help="a smaller draft model (another tokenizer is bridged)")
+    p.add_argument("--draft-model", nargs="+", default=[], metavar="DRAFT",
+                   help="smaller draft models, each its own engine (another tokenizer is "
+                   "bridged); the first is named 'draft', the others by their file")
     p.add_argument("--ngram", action="store_true", help="also run prompt lookup")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (4)")
     p.add_argument("--runs", type=int, default=3, help="interleaved runs (3)")

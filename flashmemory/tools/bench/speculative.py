@@ -96,9 +96,10 @@ def main(args) -> int:
     torch.set_num_threads(args.threads)
     common = dict(model_path=args.model, num_threads=args.threads, max_seq_len=args.max_seq_len)
     engines = {"target": FlashMemoryEngine(**common)}
-    if args.draft_model:
-        engines[f"draft K={args.k}"] = FlashMemoryEngine(
-            **common, draft_model_path=args.draft_model, num_speculative_tokens=args.k)
+    for i, draft in enumerate(args.draft_model):
+        name = "draft" if i == 0 else Path(draft).name.removesuffix(".gguf")
+        engines[f"{name} K={args.k}"] = FlashMemoryEngine(
+            **common, draft_model_path=draft, num_speculative_tokens=args.k)
     if args.ngram:
         engines[f"ngram K={args.k}"] = FlashMemoryEngine(
             **common, speculative_method="ngram", num_speculative_tokens=args.k)
