@@ -2,11 +2,12 @@
 tokens both spell the same.
 
 A table built once per pair (cached on disk under the two tokenizers' fingerprints) maps each
-source id to the destination id with the same bytes, control tokens by name. A token the table
-does not map is re-tokenized: its bytes as text through the destination's tokenizer. Bytes that end
-inside a UTF-8 character wait for the tokens that finish it. Each source token's translation
-depends on it alone, so the translation of a sequence grows token by token as the sequence does
-(`BridgeStream`): what was translated never changes.
+source id to the destination id with the same bytes, control tokens by name. Translation goes word
+by word: a one-token word the table maps crosses as one id, any other word is re-read by the
+destination's tokenizer (so the result is that tokenizer's own reading of the text). Bytes that end
+inside a UTF-8 character wait for the tokens that finish it; bytes that are no UTF-8 cross as
+one-byte tokens. A word's translation depends on that word alone, so the translation of a sequence
+grows with it (`BridgeStream`): what a finished word translated to never changes.
 """
 
 from __future__ import annotations
@@ -103,9 +104,8 @@ def _continues(run: bytes, piece: bytes) -> bool:
 class TokenBridge:
     """Translates ids of `source`'s vocabulary into ids of `dest`'s."""
 
-    def __init__(self, source: Tokenizer, dest: Tokenizer, table: np.ndarray,
-                 pieces: TokenPieces, dest_pieces: TokenPieces) -> None:
-        self.source = source
+    def __init__(self, dest: Tokenizer, table: np.ndarray, pieces: TokenPieces,
+                 dest_pieces: TokenPieces) -> None:
         self.dest = dest
         self.table = table.tolist()
         self.pieces = pieces.pieces  # the source's
@@ -117,14 +117,18 @@ class TokenBridge:
     def between(cls, source: Tokenizer, dest: Tokenizer,
                 cache_dir: Path | None = None) -> "TokenBridge":
         """The bridge from `source` to `dest`, its table read from the cache when built before."""
-        src, dst = token_pieces(source), token_pieces(dest)
+        return cls._of(dest, token_pieces(source), token_pieces(dest), cache_dir)
+
+    @classmethod
+    def _of(cls, dest: Tokenizer, src: TokenPieces, dst: TokenPieces,
+            cache_dir: Path | None) -> "TokenBridge":
         folder = (cache_dir or cache_root()) / TABLE_FOLDER
         path = folder / f"{pieces_fingerprint(src)}-{pieces_fingerprint(dst)}.npy"
         table = _load(path, len(src))
         if table is None:
             table = build_table(src, dst)
             _save(path, table)
-        return cls(source, dest, table, src, dst)
+        return cls(dest, table, src, dst)
 
     def piece(self, token_id: int) -> bytes | None:
         return self.pieces[token_id] if 0 <= token_id < len(self.pieces) else None
@@ -167,6 +171,16 @@ class TokenBridge:
         stream.extend(ids)
         stream.close_word()
         return Translation(stream.committed, stream.source_len, stream.stopped)
+
+
+def bridges_between(a: Tokenizer, b: Tokenizer, cache_dir: Path | None = None
+                    ) -> tuple[TokenBridge, TokenBridge] | None:
+    """The bridges a -> b and b -> a (each vocabulary's bytes read once), or None where the two
+    are one vocabulary (the same ids for the same texts) and ids need no translating."""
+    if a.vocabulary() == b.vocabulary():
+        return None
+    pa, pb = token_pieces(a), token_pieces(b)
+    return TokenBridge._of(b, pa, pb, cache_dir), TokenBridge._of(a, pb, pa, cache_dir)
 
 
 @dataclass

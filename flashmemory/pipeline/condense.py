@@ -17,7 +17,7 @@ from typing import Any
 
 from flashmemory.engine.engine import FlashMemoryEngine
 from flashmemory.errors import ConfigError
-from flashmemory.model.token_bridge import BridgeStream, TokenBridge
+from flashmemory.model.token_bridge import TokenBridge, bridges_between
 from flashmemory.model.token_bytes import token_pieces
 from flashmemory.model.tokenizer import Tokenizer
 from flashmemory.pipeline.copied_spans import copied_spans, merge_spans, widen_to_sentences
@@ -90,12 +90,11 @@ class CondensePipeline:
         self.reader = reader
         self.answerer = answerer
         self.settings = settings or CondenseSettings()
-        same = reader.tokenizer.vocabulary() == answerer.tokenizer.vocabulary()
-        self.to_reader = None if same else TokenBridge.between(answerer.tokenizer,
-                                                               reader.tokenizer)
-        self.to_answerer = None if same else TokenBridge.between(reader.tokenizer,
-                                                                 answerer.tokenizer)
-        self._pieces = token_pieces(reader.tokenizer).pieces
+        pair = bridges_between(answerer.tokenizer, reader.tokenizer)
+        self.to_reader, self.to_answerer = pair or (None, None)
+        # the reader's bytes per id (for sentence ends): the bridge from it has read them already
+        self._pieces = (self.to_answerer.pieces if self.to_answerer
+                        else token_pieces(reader.tokenizer).pieces)
         self._separator = reader.tokenizer.encode("\n", add_special_tokens=False)
 
     def condense(self, document_ids: list[int], question: str) -> Condensed:
@@ -152,9 +151,4 @@ class CondensePipeline:
 
 
 def _translate(bridge: TokenBridge | None, ids: list[int]) -> list[int]:
-    if bridge is None:
-        return list(ids)
-    stream = BridgeStream(bridge)
-    stream.extend(ids)
-    stream.close_word()
-    return stream.committed
+    return bridge.translate(ids).ids if bridge is not None else list(ids)

@@ -181,3 +181,11 @@ def test_sentencepiece_pieces_read_their_word_marks_and_byte_pieces(tmp_path):
     pieces = token_pieces(Tokenizer.from_checkpoint(tmp_path, []))
     assert pieces.pieces[2:] == [b" Paris", b" is", b"\xe6", b"\x9d", b"\xb1"]
     assert pieces.special == {"<unk>": 0, "<s>": 1}
+
+
+def test_the_pair_of_bridges_is_both_directions_and_none_for_one_vocabulary(pair):
+    a, b = pair
+    there, back = token_bridge.bridges_between(a, b)
+    assert there.table == TokenBridge.between(a, b).table
+    assert back.table == TokenBridge.between(b, a).table
+    assert token_bridge.bridges_between(a, a) is None

@@ -17,7 +17,7 @@ from flashmemory.engine.speculative.ngram import NgramProposer
 from flashmemory.engine.speculative.speculator import Speculator
 from flashmemory.errors import ConfigError
 from flashmemory.model.loader import Checkpoint, build_model, weights_bytes
-from flashmemory.model.token_bridge import TokenBridge
+from flashmemory.model.token_bridge import bridges_between
 from flashmemory.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -60,9 +60,7 @@ def _draft_proposer(config: EngineConfig, target: Target,
             f"larger than the target ({target.weights_bytes / 2**20:.0f} MiB): a draft saves time "
             "only when it is much smaller; swap them, or pick a smaller draft")
     tokenizer = Tokenizer.from_checkpoint(checkpoint.path, checkpoint.config.eos_token_ids)
-    bridges = None
-    if tokenizer.vocabulary() != target.tokenizer.vocabulary():
-        bridges = _bridges(checkpoint, tokenizer, target.tokenizer)
+    bridges = _bridges(checkpoint, tokenizer, target.tokenizer)
     context = checkpoint.config.max_context_tokens
     if context < target.max_seq_len:
         raise ConfigError(
@@ -85,11 +83,13 @@ def _draft_proposer(config: EngineConfig, target: Target,
                               target.max_seq_len, bridges)
 
 
-def _bridges(checkpoint: Checkpoint, draft: Tokenizer, target: Tokenizer) -> DraftBridges:
-    """The token bridges between a draft of another vocabulary and the target (a ConfigError
-    naming the fix where the draft's tokens cannot be read as bytes)."""
-    bridges = DraftBridges(to_draft=TokenBridge.between(target, draft),
-                           to_target=TokenBridge.between(draft, target))
+def _bridges(checkpoint: Checkpoint, draft: Tokenizer, target: Tokenizer) -> DraftBridges | None:
+    """The token bridges between a draft of another vocabulary and the target (None: the same
+    vocabulary; a ConfigError naming the fix where the draft's tokens cannot be read as bytes)."""
+    pair = bridges_between(target, draft)
+    if pair is None:
+        return None
+    bridges = DraftBridges(to_draft=pair[0], to_target=pair[1])
     logger.info("the draft model %s has another tokenizer (%d tokens against %d): drafting "
                 "through a token bridge; %.0f %% of its tokens are one target token",
                 checkpoint.path.name, draft.vocab_size, target.vocab_size,
