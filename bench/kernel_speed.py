@@ -1,5 +1,5 @@
-"""The native kernels alone: the decode GEMV over block-format weights (SmolLM2's Q4_1 gate_up and down, its Q8_0
-LM head, a Q5_0 matrix) at 1 and 2 threads, median of 200 calls; and decode attention over an 8K-shaped read at
+"""The native kernels alone: the decode GEMV over block-format weights (GEMV_SHAPES) with float32 and with
+8-bit x, 1 and 5 rows, at 1 and 2 threads, medians of interleaved batches; and decode attention over an 8K-shaped read at
 SmolLM2's geometry (3 KV heads of 64, 3 query heads each, 16-token blocks): per layer 128 INT4 blocks (the 2,048-token
 window), 120 FP16 and 30 INT2 blocks per KV head plus 8 filling fp16 rows, for all 30 layers of a step (so the
 records come from memory, not a warm cache), min and median over many steps at 1 and 2 threads.
@@ -29,7 +29,7 @@ from flashmemory.kvcache.levels.tensor_pool import TensorPool
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.native.loader import FLAGS, declare_decode_attention
 from flashmemory.kvcache.quant import Codec
-from flashmemory.model.native.quant_kernels import library, qgemv
+from flashmemory.model.native.quant_kernels import library, qgemv, qgemv_x8, quantize_x8, x8_bytes
 from flashmemory.native_build import build_library
 
 LAYERS, HEADS, GROUP, BLOCK, DIM = 30, 3, 3, 16, 64
@@ -46,18 +46,58 @@ def median_s(fn: Callable[[], None], n: int = 200) -> float:
     return statistics.median(times)
 
 
+def _blocks(rng: np.random.Generator, type_name: str, rows: int, cols: int) -> torch.Tensor:
+    """Encoded rows: gguf's quantizer where it writes the format, else random codes with small fp16 scales."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if not type_name.endswith("_K") and not type_name.startswith("IQ"):
+        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+        return torch.from_numpy(np.ascontiguousarray(raw))
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.01).tobytes() * 2, dtype=np.uint8)
+    if type_name in ("Q4_K", "Q5_K"):  # d and dmin first
+        raw[..., 0:4] = scale
+    elif type_name == "Q6_K":  # d last
+        raw[..., -2:] = scale[:2]
+    else:  # IQ4: d first
+        raw[..., 0:2] = scale[:2]
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+# (format, rows, cols): SmolLM2's Q4_1 gate_up and down and Q8_0 LM head, the Qwen2.5-Coder models' Q5_0 gate,
+# Q4_K and Q6_K ffn_down (0.5B shapes), and Q5_K / IQ4_XS (Q5_K_M, IQ4_XS files) at that shape
+GEMV_SHAPES = [("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576), ("Q5_0", 4864, 896),
+               ("Q4_K", 896, 4864), ("Q5_K", 896, 4864), ("Q6_K", 896, 4864), ("IQ4_XS", 896, 4864)]
+
+
 def gemv(rng: np.random.Generator) -> None:
+    """Each shape with float32 x (quant_gemv.c) and with x rounded to 8 bits (q8_gemv.c, the rounding
+    included), 1 and 5 rows of x (a decode step, a 4-token speculative verification), the two paths'
+    calls interleaved so the machine's load falls on both alike."""
     lib = library()
-    for type_name, rows, cols in [("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576), ("Q5_0", 4864, 896)]:
-        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
-                                   gguf.GGMLQuantizationType[type_name])
-        blocks = torch.from_numpy(np.ascontiguousarray(raw))
-        x, y = torch.randn(1, cols), torch.empty(1, rows)
+    for type_name, rows, cols in GEMV_SHAPES:
+        blocks = _blocks(rng, type_name, rows, cols)
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            s = median_s(lambda: qgemv(lib, type_name, blocks, cols, x, y))
-            print(f"GEMV {type_name} {rows} x {cols}, {threads} thread(s): {s * 1e6:.0f} us, "
-                  f"{blocks.numel() / s / 1e9:.1f} GB/s of blocks")
+            for num_x in (1, 5):
+                x, y = torch.randn(num_x, cols), torch.empty(num_x, rows)
+                xq = torch.empty(x8_bytes(lib, num_x, cols), dtype=torch.uint8)
+
+                def float_path() -> None:
+                    qgemv(lib, type_name, blocks, cols, x, y)
+
+                def int8_path() -> None:
+                    quantize_x8(lib, x, xq)
+                    qgemv_x8(lib, type_name, blocks, cols, xq, num_x, y)
+
+                f32, i8 = [], []
+                for _ in range(5):
+                    f32.append(median_s(float_path, 40))
+                    i8.append(median_s(int8_path, 40))
+                f, q = statistics.median(f32), statistics.median(i8)
+                print(f"GEMV {type_name} {rows} x {cols}, {num_x} row(s), {threads} thread(s): float32 x "
+                      f"{f * 1e6:.0f} us ({blocks.numel() / f / 1e9:.1f} GB/s of blocks), int8 x {q * 1e6:.0f} us "
+                      f"({blocks.numel() / q / 1e9:.1f} GB/s): {f / q:.2f}x")
 
 
 class StepRead:
@@ -130,12 +170,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline", type=Path, default=None, help="a checkout whose decode attention to compare with")
     p.add_argument("--attention-only", action="store_true", help="skip the GEMV timings")
+    p.add_argument("--gemv-only", action="store_true", help="skip the attention timings")
     p.add_argument("--steps", type=int, default=40, help="timed 30-layer steps per library and thread count")
     args = p.parse_args()
     print(f"load average {os.getloadavg()}")
     if not args.attention_only:
         gemv(np.random.default_rng(0))
-    attention(args.baseline, args.steps)
+    if not args.gemv_only:
+        attention(args.baseline, args.steps)
 
 
 if __name__ == "__main__":

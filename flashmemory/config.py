@@ -33,11 +33,20 @@ class RunSettings:
     dtype: str = setting("auto", "auto (float32 on CPU, bfloat16 on CUDA when supported), float32, bfloat16 or "
                          "float16 (also fp32, bf16, fp16, half; float64 is for exactness tests)")
     weights_dtype: str = setting(
-        "auto", "how weights are stored: auto (a GGUF's block formats Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K as in the "
+        "auto", "how weights are stored: auto (a GGUF's block formats Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/"
+        "IQ4_NL/IQ4_XS as in the "
         "file, read by a native GEMV on the CPU; other formats and safetensors dense in dtype), float32 or bfloat16 "
         "(every weight dense), q8_0 or q4_0 (quantize a checkpoint's matrices at load: on the CPU into those GGUF "
         "blocks; on CUDA into torchao int8 per-row / int4 group-32 weight-only, pip install torchao==0.18.0)",
         choices=("auto", "float32", "bfloat16", "q8_0", "q4_0"))
+    decode_activations: str = setting(
+        "auto", "how the CPU's decode GEMV over block-format weights multiplies x: int8 (x "
+        "rounded to 8 bits per 32 values, integer dot products, as llama.cpp does: ~2x faster, "
+        "logits off by ~0.5 % of a dot's size), float32 (x as it is: the float32-dequantized "
+        "model's logits to summation error), auto (int8 where the CPU has AVX2, float32 "
+        "elsewhere). The decoder layers' projections, also in prefill chunks of at most 8 "
+        "tokens; the LM head keeps float32 x",
+        choices=("auto", "int8", "float32"))
     max_seq_len: int | None = setting(
         None, "longest sequence (prompt + generated); None = the model's limit", unit="tokens", ge=2)
     num_threads: int | None = setting(

@@ -25,7 +25,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "flashmemory"
 
 # A valid value other than the default for every field (together they make one valid config of each class).
 ENGINE_SAMPLES = {
-    "model_path": "m.gguf", "device": "cpu", "dtype": "float16", "weights_dtype": "q8_0", "max_seq_len": 4096,
+    "model_path": "m.gguf", "device": "cpu", "dtype": "float16", "weights_dtype": "q8_0",
+    "decode_activations": "float32",
+    "max_seq_len": 4096,
     "num_threads": 2,
     "rope_sharding": False,
     "parse_special_tokens_in_content": True,

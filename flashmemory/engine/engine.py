@@ -31,7 +31,7 @@ from flashmemory.engine.speculative.build import Target, build_speculator
 from flashmemory.engine.speculative.speculator import Speculator
 from flashmemory.kvcache.interface import KVCache
 from flashmemory.kvcache.kv_stats import KVStats
-from flashmemory.model.loader import build_model, open_checkpoint, weights_bytes
+from flashmemory.model.loader import build_model, open_checkpoint, weights_bytes, weights_label
 from flashmemory.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -71,8 +71,11 @@ class FlashMemoryEngine:
         self.weights_bytes = weights_bytes(checkpoint, self.config.weights_dtype, self.dtype, self.device)
         self.device_plan: DevicePlan | None = device_plan_for(
             self._cache_config, self.model_config, self.max_seq_len, self.dtype, self.weights_bytes)
-        self.model = build_model(checkpoint, self.device, self.dtype, self.config.weights_dtype)
+        self.model = build_model(checkpoint, self.device, self.dtype, self.config.weights_dtype,
+                                 self.config.decode_activations)
         self.weights_bytes = self.model.num_parameter_bytes()
+        self.weights_label = weights_label(self.config.weights_dtype, self.device,
+                                           self.model.workspace.activations)
         if not self.config.rope_sharding:
             self.model.rotary.tabulate(self.max_seq_len)  # one table now instead of shards as positions come
         self.tokenizer = Tokenizer.from_checkpoint(
@@ -124,7 +127,7 @@ class FlashMemoryEngine:
 
     def _kv_fingerprint_source(self) -> str:
         return kv_fingerprint_source(self.model_path, self.model_config, self.dtype,
-                                     self.config.weights_dtype)
+                                     self.weights_label)
 
     # ---- the engine core ---------------------------------------------------------------------------------------
 

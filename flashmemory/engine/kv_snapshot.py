@@ -19,7 +19,6 @@ import torch
 from flashmemory.errors import KVSnapshotError
 from flashmemory.kvcache.interface import KVCache
 from flashmemory.kvcache.snapshot import KVSnapshot, SnapshotReader, save_snapshot
-from flashmemory.model.cuda_weights import uses_torchao
 
 FINGERPRINT_READ_BYTES = 1 << 20  # bytes hashed at each end of every model file (the header, the last tensors)
 # The fingerprint's keys that name the model and the KV geometry (not the dtype that computed the KV): a speed
@@ -64,10 +63,8 @@ def model_identity(fingerprint: dict[str, Any]) -> dict[str, Any]:
 
 def engine_fingerprint(engine: Any) -> dict[str, Any]:
     """model_fingerprint of a loaded FlashMemoryEngine."""
-    weights = engine.config.weights_dtype
-    if uses_torchao(weights, engine.device):  # torchao's int8/int4, not the CPU's GGUF blocks: other weights
-        weights += " (torchao)"
-    return model_fingerprint(engine.model_path, engine.model_config, engine.dtype, weights)
+    return model_fingerprint(engine.model_path, engine.model_config, engine.dtype,
+                             engine.weights_label)
 
 
 def save_prefill(cache: KVCache, seq_id: int, token_ids: list[int], path: Path, fingerprint: dict[str, Any],

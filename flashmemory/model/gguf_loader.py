@@ -19,7 +19,8 @@ from flashmemory.model.quantized import BLOCK_FORMATS, QuantizedTensor
 logger = logging.getLogger(__name__)
 
 # Tensor types we dequantize; the `gguf` package's numpy kernels do the arithmetic.
-SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                        "IQ4_NL", "IQ4_XS")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -1,8 +1,9 @@
 """Projections and the embedding whose weights are dense or kept in GGUF block formats (QuantizedTensor).
 
-Decode (a few rows of x) runs the native GEMV over the blocks; prefill dequantizes tiles of rows into one
-float32 buffer per model (DequantWorkspace) and hands each tile to torch's GEMM, so no full float32 copy of a
-weight ever exists. Without the native library the tiles come from the torch reference dequantization.
+Decode (a few rows of x) runs the native GEMV over the blocks, by default with x rounded to 8
+bits once per projection and integer dots (decode_activations); prefill dequantizes tiles of rows
+into one float32 buffer per model (DequantWorkspace) and hands each tile to torch's GEMM, so no
+full float32 copy of a weight ever exists. Without the native library the tiles come from the torch reference dequantization.
 """
 
 from __future__ import annotations
@@ -22,11 +23,23 @@ Part = torch.Tensor | QuantizedTensor
 
 
 class DequantWorkspace:
-    """Owns the float32 buffer prefill tiles are dequantized into, shared by every projection of one model."""
+    """Owns the float32 buffer prefill tiles are dequantized into and the buffer decode rows of x
+    are quantized into, shared by every projection of one model; `activations` is the decode
+    GEMV's ("int8" or "float32")."""
 
-    def __init__(self) -> None:
+    def __init__(self, decode_activations: str = "auto") -> None:
         self._buffer = torch.empty(0)
+        self._x8 = torch.empty(0, dtype=torch.uint8)
         self.native = quant_kernels.library()
+        self.activations = quant_kernels.resolve_decode_activations(decode_activations, self.native)
+
+    def quantized_x(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, cols] float32 rounded to 8 bits (valid until the next call)."""
+        size = quant_kernels.x8_bytes(self.native, x.shape[0], x.shape[1])
+        if self._x8.numel() < size:
+            self._x8 = torch.empty(size, dtype=torch.uint8)
+        quant_kernels.quantize_x8(self.native, x, self._x8)
+        return self._x8
 
     def tile(self, num_rows: int, cols: int) -> torch.Tensor:
         if self._buffer.numel() < num_rows * cols:
@@ -58,13 +71,18 @@ class DenseLinear(nn.Linear):
 
 
 class QuantizedLinear(nn.Module):
-    """y = x W^T (+ b) with W stored as row parts ([q; k; v] or [gate; up]), each quantized or dense."""
+    """y = x W^T (+ b) with W stored as row parts ([q; k; v] or [gate; up]), each quantized or
+    dense. `float_activations`: decode keeps x in float32 whatever the workspace's activations (the LM
+    head: its logits are what a user sees, and rounding its x to 8 bits was the largest share of
+    int8's KL on SmolLM2)."""
 
-    def __init__(self, parts: list[Part], bias: torch.Tensor | None, workspace: DequantWorkspace) -> None:
+    def __init__(self, parts: list[Part], bias: torch.Tensor | None, workspace: DequantWorkspace,
+                 float_activations: bool = False) -> None:
         super().__init__()
         self.parts = _merge_same_format(parts)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.workspace = workspace
+        self.int8_activations = workspace.activations == "int8" and not float_activations
         self.out_features = sum(p.shape[0] for p in self.parts)
         _register(self, self.parts)
         # The decode path's GEMV calls, argument tuples prepared once: (type id, blocks, rows, cols, row bytes,
@@ -81,6 +99,8 @@ class QuantizedLinear(nn.Module):
         # x: [T, in] -> [T, out]
         if self._calls is not None and x.dim() == 2 and 0 < x.shape[0] <= quant_kernels.MAX_X_ROWS \
                 and x.dtype == torch.float32:
+            if self.int8_activations:
+                return self._decode_x8(x.contiguous())
             return self._decode(x.contiguous())
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
@@ -108,6 +128,21 @@ class QuantizedLinear(nn.Module):
             out += self.bias
         return out
 
+    def _decode_x8(self, x: torch.Tensor) -> torch.Tensor:
+        """_decode with x rounded to 8 bits once for every part."""
+        out = torch.empty(x.shape[0], self.out_features)
+        fm_qgemv_x8, threads = self.workspace.native.fm_qgemv_x8, torch.get_num_threads()
+        xq_ptr = self.workspace.quantized_x(x).data_ptr()
+        num_x, out_ptr = x.shape[0], out.data_ptr()
+        for type_id, blocks, rows, cols, row_bytes, start in self._calls:
+            if fm_qgemv_x8(type_id, blocks, rows, cols, row_bytes, xq_ptr, num_x,
+                           out_ptr + 4 * start, self.out_features, threads) != 0:
+                raise ValueError(
+                    f"fm_qgemv_x8 refused a weight of {rows} x {cols} (type {type_id})")
+        if self.bias is not None:
+            out += self.bias
+        return out
+
     def _project(self, part: Part, x: torch.Tensor, out: torch.Tensor) -> None:
         if not isinstance(part, QuantizedTensor):
             out.copy_(F.linear(x, part.float()))
@@ -116,7 +151,11 @@ class QuantizedLinear(nn.Module):
         if x.shape[0] == 0:  # a prefill chunk whose logits are not wanted
             return
         if native is not None and x.shape[0] <= quant_kernels.MAX_X_ROWS:
-            quant_kernels.qgemv(native, part.type_name, part.blocks, part.cols, x, out)
+            if self.int8_activations:
+                quant_kernels.qgemv_x8(native, part.type_name, part.blocks, part.cols,
+                                       self.workspace.quantized_x(x), x.shape[0], out)
+            else:
+                quant_kernels.qgemv(native, part.type_name, part.blocks, part.cols, x, out)
             return
         tile_rows = max(1, TILE_ELEMENTS // part.cols)
         for first in range(0, part.rows, tile_rows):

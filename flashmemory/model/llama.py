@@ -108,13 +108,14 @@ class LlamaModel(nn.Module):
     """The whole decoder: embeddings, layers, final norm and LM head (possibly tied to the embeddings)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 weights_dtype: torch.dtype | None = None):
+                 weights_dtype: torch.dtype | None = None, decode_activations: str = "auto"):
         super().__init__()
         self.config = cfg
         self.device = torch.device(device)
         self.dtype = dtype  # activations
         self.weights_dtype = weights_dtype or dtype  # dense weights; block-format weights stay as stored
-        self.workspace = DequantWorkspace()  # prefill tiles of block-format weights
+        # prefill tiles and decode rows of x for block-format weights
+        self.workspace = DequantWorkspace(decode_activations)
         with torch.device("meta"):
             # A given weight skips nn.Embedding's random init: on meta it would still import torch._dynamo (its
             # normal_ decomposes through torch._refs), ~80 MiB of resident modules (sympy) for nothing.
@@ -177,7 +178,7 @@ class LlamaModel(nn.Module):
             setattr(param_owner, attr, nn.Parameter(value.to(self.device, dtype or self.dtype), requires_grad=False))
 
         def project(owner: nn.Module, attr: str, names: list[str], bias_names: list[str] | None,
-                    expected: tuple[int, int]) -> None:
+                    expected: tuple[int, int], head: bool = False) -> None:
             """owner.attr = the projection stacking the named weights' rows: dense, or kept as blocks."""
             parts = [take(n) for n in names]
             bias = torch.cat([take(n) for n in bias_names]) if bias_names else None
@@ -190,7 +191,9 @@ class LlamaModel(nn.Module):
             if shape != expected or any(p.shape[1] != expected[1] for p in parts):
                 raise CorruptWeightsError(f"tensors for {attr} have shape {shape}, the config implies {expected}")
             parts = [p if isinstance(p, QuantizedTensor) else p.float() for p in parts]
-            setattr(owner, attr, QuantizedLinear(parts, None if bias is None else bias.float(), self.workspace))
+            bias = None if bias is None else bias.float()
+            setattr(owner, attr, QuantizedLinear(parts, bias, self.workspace,
+                                                 float_activations=head))
 
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -201,13 +204,14 @@ class LlamaModel(nn.Module):
                     f"tensor for embed_tokens has shape {embedding.shape}, the config implies {(cfg.vocab_size, hidden)}")
             self.embed_tokens = QuantizedEmbedding(embedding, self.workspace, self.dtype)
             if self.lm_head is None:  # tied: the output projection reads the same blocks
-                self.lm_head = QuantizedLinear([embedding], None, self.workspace)
+                self.lm_head = QuantizedLinear([embedding], None, self.workspace,
+                                               float_activations=True)
         else:
             put(self.embed_tokens, "weight", embedding, (cfg.vocab_size, hidden),
                 self.weights_dtype if self.lm_head is None else None)
         put(self.norm, "weight", take("model.norm.weight"), (hidden,))
         if self.lm_head is not None and not cfg.tie_word_embeddings:
-            project(self, "lm_head", ["lm_head.weight"], None, (cfg.vocab_size, hidden))
+            project(self, "lm_head", ["lm_head.weight"], None, (cfg.vocab_size, hidden), head=True)
         for i, layer in enumerate(tqdm(self.layers, desc="loading layers", unit="layer", disable=not progress)):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp

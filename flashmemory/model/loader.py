@@ -134,15 +134,29 @@ def weights_bytes(checkpoint: Checkpoint, weights_dtype: str, dtype: torch.dtype
 
 
 def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
-                weights_dtype: str = "auto") -> LlamaModel:
+                weights_dtype: str = "auto", decode_activations: str = "auto") -> LlamaModel:
     """Instantiate our decoder and load the checkpoint's tensors into it (tqdm bar on a terminal)."""
     stored = StoredWeights(checkpoint, weights_dtype, device)
     decoder = DECODER_FAMILIES[BY_HF_NAME[checkpoint.config.architecture].family]
     torchao = cuda_weights.uses_torchao(weights_dtype, device)
     # torchao's int4 kernel takes bfloat16 weights only; int8 keeps the same dtype for its scales' products.
     dense_dtype = torch.bfloat16 if torchao else _DENSE.get(weights_dtype)
-    model = decoder(checkpoint.config, device=device, dtype=dtype, weights_dtype=dense_dtype)
+    model = decoder(checkpoint.config, device=device, dtype=dtype, weights_dtype=dense_dtype,
+                    decode_activations=decode_activations)
     finish_layer = (lambda layer: cuda_weights.quantize_layer(layer, weights_dtype)) if torchao else None
     model.load_hf_state_dict(stored, progress=sys.stderr.isatty(), finish_layer=finish_layer)
-    logger.info("weights: %s, %.1f MiB as stored", weights_dtype, model.num_parameter_bytes() / 2**20)
+    label = weights_label(weights_dtype, device, model.workspace.activations)
+    logger.info("weights: %s, %.1f MiB as stored", label, model.num_parameter_bytes() / 2**20)
     return model
+
+
+def weights_label(weights_dtype: str, device: torch.device, activations: str) -> str:
+    """How a model's weights compute, in the words fingerprints keep (the KV of a prompt decoded
+    under another label is other KV): weights_dtype, then " (torchao)" for CUDA's int8/int4
+    weights, " (int8 activations)" where the CPU's block-format GEMV rounds x to 8 bits (decode
+    rows and prefill chunks of a few tokens)."""
+    if cuda_weights.uses_torchao(weights_dtype, device):
+        return f"{weights_dtype} (torchao)"
+    if activations == "int8" and device.type == "cpu" and weights_dtype in ("auto", "q8_0", "q4_0"):
+        return f"{weights_dtype} (int8 activations)"
+    return weights_dtype

@@ -16,7 +16,7 @@ from flashmemory.engine.speculative.draft_model import DraftBridges, DraftModelP
 from flashmemory.engine.speculative.ngram import NgramProposer
 from flashmemory.engine.speculative.speculator import Speculator
 from flashmemory.errors import ConfigError
-from flashmemory.model.loader import Checkpoint, build_model, weights_bytes
+from flashmemory.model.loader import Checkpoint, build_model, weights_bytes, weights_label
 from flashmemory.model.token_bridge import bridges_between
 from flashmemory.model.tokenizer import Tokenizer
 
@@ -67,9 +67,11 @@ def _draft_proposer(config: EngineConfig, target: Target,
             f"the draft model {checkpoint.path.name} reads at most {context} tokens, fewer than "
             f"the target's {target.max_seq_len}: lower max_seq_len to {context}, or pick a draft "
             "with the target's context")
-    model = build_model(checkpoint, target.device, target.dtype, config.weights_dtype)
-    fingerprint = (kv_fingerprint_source(checkpoint.path, checkpoint.config, target.dtype,
-                                         config.weights_dtype) + f":draft-of={target.fingerprint}")
+    model = build_model(checkpoint, target.device, target.dtype, config.weights_dtype,
+                        config.decode_activations)
+    label = weights_label(config.weights_dtype, target.device, model.workspace.activations)
+    fingerprint = (kv_fingerprint_source(checkpoint.path, checkpoint.config, target.dtype, label)
+                   + f":draft-of={target.fingerprint}")
     if config.persist_cache and config.cold_zone_dir is not None:  # the target locks its own
         config = config.replace(cold_zone_dir=str(Path(config.cold_zone_dir) / DRAFT_FOLDER))
     plan = device_plan_for(config, checkpoint.config, target.max_seq_len, target.dtype,

@@ -1,5 +1,6 @@
 """ctypes binding of the model's native library: csrc/quant_gemv.c (the decode GEMV over quantized weight rows, row
-dequantization) and csrc/step_ops.c (fused RMSNorm, RoPE and SwiGLU, used by step_ops.py)."""
+dequantization), csrc/q8_gemv.c (the same GEMV with x rounded to 8 bits, integer dots) and
+csrc/step_ops.c (fused RMSNorm, RoPE and SwiGLU, used by step_ops.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ import torch
 
 from flashmemory.native_build import BASE_FLAGS, build_library
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("quant_gemv.c", "step_ops.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("quant_gemv.c", "q8_gemv.c", "step_ops.c"))
 # -fopenmp: the output rows are split over torch's OpenMP threads (the same libgomp, loaded by torch first).
 FLAGS = (*BASE_FLAGS, "-fopenmp")
 MAX_X_ROWS = 8  # FM_MAX_X: rows of x one GEMV call takes
 # GGUF type ids of the block formats the kernels read (the file format's numbering).
-TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
+            "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
+
+# EngineConfig.decode_activations: how the decode GEMV multiplies x with block-format weights.
+DECODE_ACTIVATIONS = ("auto", "int8", "float32")
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
@@ -30,6 +36,12 @@ def library() -> ctypes.CDLL | None:
     lib.fm_qgemv.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT]
     lib.fm_dequant_rows.restype = _INT
     lib.fm_dequant_rows.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _INT]
+    lib.fm_quantize_x8.restype = None
+    lib.fm_quantize_x8.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
+    lib.fm_qgemv_x8.restype = _INT
+    lib.fm_qgemv_x8.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]
+    lib.fm_x8_block_bytes.restype = _I64
+    lib.fm_x8_vectorized.restype = _INT
     lib.fm_rmsnorm.restype = None
     lib.fm_rmsnorm.argtypes = [_PTR, _I64, _PTR, _I64, _I64, ctypes.c_float, _PTR]
     lib.fm_rope.restype = None
@@ -57,3 +69,38 @@ def dequant_rows(lib: ctypes.CDLL, type_name: str, blocks: torch.Tensor, cols: i
                              out.shape[0], out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"fm_dequant_rows refused a {type_name} weight of {cols} columns (code {rc})")
+
+
+def resolve_decode_activations(requested: str, lib: ctypes.CDLL | None) -> str:
+    """"int8" or "float32": what the decode GEMV does for `requested` (DECODE_ACTIVATIONS).
+    "auto" is int8 where the 8-bit kernel is vectorized for this CPU (AVX2), float32 elsewhere
+    (its portable C is slower than the float path's) and without the native library."""
+    if requested not in DECODE_ACTIVATIONS:
+        raise ValueError(f"decode_activations={requested!r}: use one of "
+                         f"{', '.join(DECODE_ACTIVATIONS)}")
+    if lib is None:
+        return "float32"
+    if requested == "auto":
+        return "int8" if lib.fm_x8_vectorized() else "float32"
+    return requested
+
+
+def x8_bytes(lib: ctypes.CDLL, num_x: int, cols: int) -> int:
+    """Bytes of num_x rows of cols values quantized by quantize_x8 (cols a multiple of 32)."""
+    return num_x * (cols // 32) * lib.fm_x8_block_bytes()
+
+
+def quantize_x8(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor) -> None:
+    """x [n, cols] float32 (rows contiguous, cols a multiple of 32) into out (uint8, x8_bytes)."""
+    lib.fm_quantize_x8(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], out.data_ptr())
+
+
+def qgemv_x8(lib: ctypes.CDLL, type_name: str, blocks: torch.Tensor, cols: int, xq: torch.Tensor,
+             num_x: int, out: torch.Tensor) -> None:
+    """out [num_x, rows] = x @ W.T from x quantized by quantize_x8 (rows of out contiguous)."""
+    rc = lib.fm_qgemv_x8(TYPE_IDS[type_name], blocks.data_ptr(), blocks.shape[0], cols,
+                         blocks.shape[1], xq.data_ptr(), num_x, out.data_ptr(), out.stride(0),
+                         torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"fm_qgemv_x8 refused a {type_name} weight of {blocks.shape[0]} x {cols} "
+                         f"(code {rc})")

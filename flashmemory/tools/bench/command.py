@@ -47,7 +47,7 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
                    help="measure nothing: print the tables of a saved report again (--charts-dir draws its charts, "
                    "--json writes it back with the tables recomputed)")
     p.add_argument("--decode-only", action="store_true",
-                   help="the fair decode comparison: FlashMemory (weights as in the GGUF, and float32) and llama.cpp "
+                   help="the fair decode comparison: FlashMemory (8-bit and float32 activation dots) and llama.cpp "
                    "in persistent processes, same ids, teacher-forced steps in interleaved rounds, with each "
                    "engine's decode PPL and KL / top-1 against fm-exact (and llama.cpp q8_0 against llama.cpp f16) "
                    "over those steps (tools/bench/decode_compare.py); uses --model (a GGUF), --text, --lengths, "

@@ -53,9 +53,11 @@ class DecodeEngine:
 
 
 def default_engines(fm_wait_policy: str | None) -> tuple[DecodeEngine, ...]:
-    """Ours as the GGUF is stored, ours in float32, and llama.cpp (f16 KV) when llama-cpp-python is installed."""
+    """Ours as the GGUF is stored (8-bit activation dots where the CPU has AVX2), ours with float32
+    activations (decode_activations="float32"), and llama.cpp (f16 KV) when it is installed."""
+    f32act = {"decode_activations": "float32"}
     engines = (DecodeEngine("fm", "flashmemory", {}, fm_wait_policy),
-               DecodeEngine("fm-float32", "flashmemory", {"weights_dtype": "float32"}, fm_wait_policy))
+               DecodeEngine("fm-f32act", "flashmemory", f32act, fm_wait_policy))
     if importlib.util.find_spec("llama_cpp") is not None:
         engines += (DecodeEngine("llamacpp", "llama.cpp", {}, None),)
     return engines

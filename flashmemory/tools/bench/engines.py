@@ -57,6 +57,10 @@ _HF_OFFLOAD_WHY = "transformers' offloaded caches copy KV between GPU and host"
 ENGINES: tuple[EngineSpec, ...] = (
     EngineSpec("fm-exact", FLASHMEMORY, "FlashMemory, exact FP16 contiguous cache (the fidelity reference)",
                {"kv_cache": "contiguous", "kv_precision": "fp16", **_FM_COMMON}),
+    EngineSpec("fm-exact-f32act", FLASHMEMORY, "fm-exact with decode_activations=float32: x not "
+               "rounded to 8 bits in the decode GEMV (the float32-dequantized model's logits)",
+               {"kv_cache": "contiguous", "kv_precision": "fp16", "decode_activations": "float32",
+                **_FM_COMMON}, in_default_set=False),
     EngineSpec("fm-contiguous", FLASHMEMORY, "FlashMemory, exact contiguous cache in the model dtype (the engine "
                "bench/bench_runner.py compares with transformers)", {"kv_cache": "contiguous", **_FM_COMMON},
                in_default_set=False),

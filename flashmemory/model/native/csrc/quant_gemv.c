@@ -9,9 +9,17 @@
  *   Q8_0 (8)  32 weights, 34 bytes: fp16 d, 32 x int8                     w = d * q
  *   Q4_K (12) 256 weights, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins for 8 sub-blocks of 32,
  *             128 bytes of nibbles (64 weights per 32 bytes: low halves first)  w = d * sc * q - dmin * mn
+ *   Q5_K (13) 256 weights, 176 bytes: fp16 d, fp16 dmin, Q4_K's 12 bytes of scales/mins, 32 bytes of fifth bits,
+ *             128 bytes of nibbles as Q4_K's; weight l of sub-block j has its fifth bit in bit j of byte l
+ *             w = d * sc * (q | fifth << 4) - dmin * mn
  *   Q6_K (14) 256 weights, 210 bytes: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, fp16 d
  *             w = d * sc * (q - 32)
- * Nibbles of the 32-weight formats: byte j holds weight j (low half) and weight j + 16 (high half).
+ *   IQ4_NL (20) 32 weights, 18 bytes: fp16 d, 16 bytes of nibbles         w = d * IQ4[q]
+ *   IQ4_XS (23) 256 weights, 136 bytes: fp16 d, 16 bits of high scale bits, 4 bytes of low scale nibbles,
+ *             128 bytes of nibbles (16 per sub-block of 32)             w = d * (ls - 32) * IQ4[q]
+ *             (ls of sub-block j: nibble j of the low bytes | bits 2j, 2j+1 of the high word << 4)
+ *   IQ4[16] is the non-linear code book below (llama.cpp's kvalues_iq4nl).
+ * Nibbles of the 32-weight formats (IQ4_XS's sub-blocks too): byte j holds weight j (low half) and weight j + 16 (high half).
  *
  * The dequantized weights are exactly the float32 values the torch reference (gguf_dequant.py, gguf.quants)
  * produces; the GEMV only reorders the sums (float summation error against a float32 GEMV).
@@ -26,7 +34,10 @@
 #define FM_MAX_X 8 /* rows of x per GEMV call */
 #define FM_QK_MAX 256
 
-enum { FM_Q4_0 = 2, FM_Q4_1 = 3, FM_Q5_0 = 6, FM_Q5_1 = 7, FM_Q8_0 = 8, FM_Q4_K = 12, FM_Q6_K = 14 };
+enum { FM_Q4_0 = 2, FM_Q4_1 = 3, FM_Q5_0 = 6, FM_Q5_1 = 7, FM_Q8_0 = 8, FM_Q4_K = 12, FM_Q5_K = 13,
+       FM_Q6_K = 14, FM_IQ4_NL = 20, FM_IQ4_XS = 23 };
+
+static const int8_t IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 typedef float fm_v8 __attribute__((vector_size(32)));
 
@@ -119,6 +130,23 @@ static void deq_q4_k(const uint8_t *b, float *y) {
     }
 }
 
+static void deq_q5_k(const uint8_t *b, float *y) {
+    const float d = half_to_float(b), dmin = half_to_float(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *q = b + 48;
+    for (int pair = 0; pair < 4; pair++) {
+        int sc0, m0, sc1, m1;
+        q4k_scale_min(2 * pair, scales, &sc0, &m0);
+        q4k_scale_min(2 * pair + 1, scales, &sc1, &m1);
+        const float d0 = d * (float)sc0, min0 = dmin * (float)m0, d1 = d * (float)sc1, min1 = dmin * (float)m1;
+        for (int l = 0; l < 32; l++) {
+            y[l] = d0 * (float)((q[l] & 0x0F) | (((qh[l] >> (2 * pair)) & 1) << 4)) - min0;
+            y[l + 32] = d1 * (float)((q[l] >> 4) | (((qh[l] >> (2 * pair + 1)) & 1) << 4)) - min1;
+        }
+        y += 64;
+        q += 32;
+    }
+}
+
 static void deq_q6_k(const uint8_t *b, float *y) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
@@ -145,6 +173,32 @@ static void deq_q6_k(const uint8_t *b, float *y) {
     }
 }
 
+static void deq_iq4_nl(const uint8_t *b, float *y) {
+    const float d = half_to_float(b);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)IQ4[b[2 + j] & 0x0F];
+        y[j + 16] = d * (float)IQ4[b[2 + j] >> 4];
+    }
+}
+
+static inline int iq4xs_scale(const uint8_t *b, int j) {
+    uint16_t high;
+    memcpy(&high, b + 2, 2);
+    return (((b[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4)) - 32;
+}
+
+static void deq_iq4_xs(const uint8_t *b, float *y) {
+    const float d = half_to_float(b);
+    for (int j = 0; j < 8; j++, y += 32) {
+        const float dl = d * (float)iq4xs_scale(b, j);
+        const uint8_t *q = b + 8 + 16 * j;
+        for (int l = 0; l < 16; l++) {
+            y[l] = dl * (float)IQ4[q[l] & 0x0F];
+            y[l + 16] = dl * (float)IQ4[q[l] >> 4];
+        }
+    }
+}
+
 typedef void (*deq_fn)(const uint8_t *, float *);
 
 static int format_of(int type, deq_fn *fn, int *qk, int *block_bytes) {
@@ -155,7 +209,10 @@ static int format_of(int type, deq_fn *fn, int *qk, int *block_bytes) {
     case FM_Q5_1: *fn = deq_q5_1, *qk = 32, *block_bytes = 24; return 0;
     case FM_Q8_0: *fn = deq_q8_0, *qk = 32, *block_bytes = 34; return 0;
     case FM_Q4_K: *fn = deq_q4_k, *qk = 256, *block_bytes = 144; return 0;
+    case FM_Q5_K: *fn = deq_q5_k, *qk = 256, *block_bytes = 176; return 0;
     case FM_Q6_K: *fn = deq_q6_k, *qk = 256, *block_bytes = 210; return 0;
+    case FM_IQ4_NL: *fn = deq_iq4_nl, *qk = 32, *block_bytes = 18; return 0;
+    case FM_IQ4_XS: *fn = deq_iq4_xs, *qk = 256, *block_bytes = 136; return 0;
     default: return -1;
     }
 }

@@ -1,0 +1,405 @@
+/* Decode GEMV with 8-bit activations (what llama.cpp does on a CPU): each row of x is quantized once per call
+ * into blocks of 32 (a float scale d = max|x| / 127, 32 int8 codes and the codes' sums over each half), then each weight block's integer codes are dotted with x's codes in 8- and 16-bit
+ * integer lanes (AVX2 vpmaddubsw), one float multiply-add per 16 or 32 weights instead of one per weight.
+ *
+ * Formats and their offsets (the weight block layouts are quant_gemv.c's):
+ *   Q4_0 / Q5_0   w = d * (q - 8 | 16)   unsigned codes q
+ *   Q4_1 / Q5_1   w = d * q + m
+ *   Q8_0          w = d * q               signed codes (the sign trick: |q| . sign(x, q))
+ *   Q4_K / Q5_K   w = d * sc * q - dmin * mn, a scale and a min per sub-block of 32
+ *   Q6_K          w = d * sc * (q - 32), a scale per 16
+ *   IQ4_NL/IQ4_XS w = d (* (ls - 32)) * IQ4[q]: the code book looked up into signed bytes (vpshufb)
+ * Every offset (-8, m, -dmin * mn, -32) multiplies the sum of x's codes, not of x itself: the error is then
+ * sum_c w[c] * (x'[c] - x[c]) for the rounded x', as small as 8-bit x allows (the float sum would leave
+ * sum_c d * q[c] * (x'[c] - x[c]), twice that for Q4_K's all-positive codes).
+ * The result differs from the float32 dot by x's rounding to 8 bits (about 0.4 % of max|x| per value): not
+ * bit-equal to the torch reference, as llama.cpp's is not; quant_gemv.c's float path stays the reference.
+ * Row r of y does not depend on how many rows of x one call takes (each row has its own accumulators), so a
+ * speculative verification computes what the decode steps compute one at a time.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define FM_MAX_X 8
+
+enum { X8_Q4_0 = 2, X8_Q4_1 = 3, X8_Q5_0 = 6, X8_Q5_1 = 7, X8_Q8_0 = 8, X8_Q4_K = 12, X8_Q5_K = 13,
+       X8_Q6_K = 14, X8_IQ4_NL = 20, X8_IQ4_XS = 23 };
+
+static const int8_t IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static inline int iq4xs_ls(const uint8_t *b, int j) {
+    uint16_t high;
+    memcpy(&high, b + 2, 2);
+    return (((b[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4)) - 32;
+}
+
+typedef struct {
+    float d;          /* x ~ d * q */
+    int16_t qsum[2];  /* sums of q over values 0..15 and 16..31 */
+    int8_t q[32];
+} fm_x8;              /* 40 bytes */
+
+int64_t fm_x8_block_bytes(void) { return (int64_t)sizeof(fm_x8); }
+
+/* 1 where the dots below are AVX2 (faster than the float path), 0 for the portable C (slower than it). */
+int fm_x8_vectorized(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline float half_of(const uint8_t *p) {
+    _Float16 h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+
+/* xq[r][b] for r < num_x, b < cols / 32 (cols a multiple of 32). */
+void fm_quantize_x8(const float *x, int64_t num_x, int64_t x_stride, int64_t cols, fm_x8 *xq) {
+    const int64_t nb = cols / 32;
+    for (int64_t r = 0; r < num_x; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + r * x_stride + b * 32;
+            fm_x8 *o = xq + r * nb + b;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
+            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int s0 = 0, s1 = 0;
+            for (int j = 0; j < 32; j++) {
+                const int q = (int)nearbyintf(v[j] * id);
+                o->q[j] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+            }
+            for (int j = 0; j < 16; j++) s0 += o->q[j], s1 += o->q[j + 16];
+            o->d = d, o->qsum[0] = (int16_t)s0, o->qsum[1] = (int16_t)s1;
+        }
+    }
+}
+
+static inline void q4k_sm(int j, const uint8_t *s, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+typedef __m256i codes32; /* 32 unsigned (or, for Q8_0, signed) weight codes, in weight order */
+
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* 8 int32 lanes of sum(code * xq) over 4 weights each (lanes 0-3: weights 0..15, 4-7: 16..31), as float */
+static inline __m256 dot_u8(codes32 c, const int8_t *xq) {
+    const __m256i p16 = _mm256_maddubs_epi16(c, _mm256_loadu_si256((const __m256i *)xq));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+static inline __m256 dot_s8(codes32 c, const int8_t *xq) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+    const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(xv, c));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+/* 16 nibble bytes (weight j low, j + 16 high) as 32 codes in weight order */
+static inline codes32 nibbles32(const uint8_t *q) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)q), m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+/* 16 nibble bytes as 32 signed IQ4 code-book values in weight order */
+static inline codes32 iq4_values(const uint8_t *q) {
+    const __m256i book = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4));
+    return _mm256_shuffle_epi8(book, nibbles32(q));
+}
+
+/* Q5: the fifth bit of weight j is bit j of qh, moved to bit 4 of byte j */
+static inline codes32 fifth_bits(const uint8_t *qh_bytes) {
+    uint32_t qh;
+    memcpy(&qh, qh_bytes, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+/* The 32-weight formats, one block against num_x rows of x: `type` is a constant at each call (inlined), so
+ * the format's branches fold away. Blocks alternate between two accumulators per row (acc[b & 1]): one chain
+ * of multiply-adds would bound the loop by their latency. */
+static inline __attribute__((always_inline)) void block32_x8(const int type, const uint8_t *w, int64_t b,
+                                                             const fm_x8 *x, int64_t x_blocks, int num_x,
+                                                             __m256 *acc, float *bias) {
+    const float d = half_of(w);
+    float m = 0.0f;
+    codes32 c;
+    if (type == X8_Q4_0) c = nibbles32(w + 2);
+    else if (type == X8_Q4_1) c = nibbles32(w + 4), m = half_of(w + 2);
+    else if (type == X8_Q5_0) c = _mm256_or_si256(nibbles32(w + 6), fifth_bits(w + 2));
+    else if (type == X8_Q5_1) c = _mm256_or_si256(nibbles32(w + 8), fifth_bits(w + 4)), m = half_of(w + 2);
+    else if (type == X8_IQ4_NL) c = iq4_values(w + 2);
+    else c = _mm256_loadu_si256((const __m256i *)(w + 2));
+    const float off = type == X8_Q4_0 ? -8.0f * d : type == X8_Q5_0 ? -16.0f * d : m;
+    for (int r = 0; r < num_x; r++) {
+        const fm_x8 *xb = x + r * x_blocks + b;
+        const int sign = type == X8_Q8_0 || type == X8_IQ4_NL;
+        const __m256 s = sign ? dot_s8(c, xb->q) : dot_u8(c, xb->q);
+        acc[2 * r + (b & 1)] = _mm256_fmadd_ps(s, _mm256_set1_ps(d * xb->d), acc[2 * r + (b & 1)]);
+        if (!sign) bias[r] += off * xb->d * (float)(xb->qsum[0] + xb->qsum[1]);
+    }
+}
+
+static inline __attribute__((always_inline)) void row32_x8(const int type, const int bytes, const uint8_t *w,
+                                                           int64_t nb, const fm_x8 *x, int64_t x_blocks,
+                                                           int num_x, __m256 *acc, float *bias) {
+    for (int64_t b = 0; b < nb; b++, w += bytes) block32_x8(type, w, b, x, x_blocks, num_x, acc, bias);
+}
+
+/* One weight row against num_x rows of quantized x; nb counts the format's blocks. */
+static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64_t x_blocks, int num_x, float *out) {
+    __m256 acc[2 * FM_MAX_X];
+    float bias[FM_MAX_X];
+    for (int r = 0; r < num_x; r++) acc[2 * r] = acc[2 * r + 1] = _mm256_setzero_ps(), bias[r] = 0.0f;
+    switch (type) {
+    case X8_Q4_0: row32_x8(X8_Q4_0, 18, w, nb, x, x_blocks, num_x, acc, bias); break;
+    case X8_Q4_1: row32_x8(X8_Q4_1, 20, w, nb, x, x_blocks, num_x, acc, bias); break;
+    case X8_Q5_0: row32_x8(X8_Q5_0, 22, w, nb, x, x_blocks, num_x, acc, bias); break;
+    case X8_Q5_1: row32_x8(X8_Q5_1, 24, w, nb, x, x_blocks, num_x, acc, bias); break;
+    case X8_Q8_0: row32_x8(X8_Q8_0, 34, w, nb, x, x_blocks, num_x, acc, bias); break;
+    case X8_IQ4_NL: row32_x8(X8_IQ4_NL, 18, w, nb, x, x_blocks, num_x, acc, bias); break;
+    case X8_IQ4_XS:
+        for (int64_t b = 0; b < nb; b++, w += 136) {
+            const float d = half_of(w);
+            for (int j = 0; j < 8; j++) {
+                const codes32 c = iq4_values(w + 8 + 16 * j);
+                const float dl = d * (float)iq4xs_ls(w, j);
+                for (int r = 0; r < num_x; r++) {
+                    const fm_x8 *xb = x + r * x_blocks + b * 8 + j;
+                    __m256 *a = acc + 2 * r + (j & 1);
+                    *a = _mm256_fmadd_ps(dot_s8(c, xb->q), _mm256_set1_ps(dl * xb->d), *a);
+                }
+            }
+        }
+        break;
+    case X8_Q4_K: case X8_Q5_K: {
+        const int five = type == X8_Q5_K, bytes = five ? 176 : 144;
+        for (int64_t b = 0; b < nb; b++, w += bytes) {
+            const float d = half_of(w), dmin = half_of(w + 2);
+            const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
+            for (int pair = 0; pair < 4; pair++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(w + (five ? 48 : 16) + 32 * pair));
+                codes32 lo = _mm256_and_si256(q, mask), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+                if (five) { /* bit 2 * pair (low halves) and 2 * pair + 1 (high) of each qh byte, to bit 4 */
+                    const __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * pair)), one);
+                    const __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * pair + 1)), one);
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(h0, 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(h1, 4));
+                }
+                int sc0, mn0, sc1, mn1;
+                q4k_sm(2 * pair, w + 4, &sc0, &mn0);
+                q4k_sm(2 * pair + 1, w + 4, &sc1, &mn1);
+                const float ds0 = d * (float)sc0, ds1 = d * (float)sc1;
+                const float dm0 = dmin * (float)mn0, dm1 = dmin * (float)mn1;
+                for (int r = 0; r < num_x; r++) {
+                    const fm_x8 *xb = x + r * x_blocks + b * 8 + 2 * pair;
+                    acc[2 * r] = _mm256_fmadd_ps(dot_u8(lo, xb[0].q), _mm256_set1_ps(ds0 * xb[0].d), acc[2 * r]);
+                    acc[2 * r + 1] = _mm256_fmadd_ps(dot_u8(hi, xb[1].q), _mm256_set1_ps(ds1 * xb[1].d),
+                                                     acc[2 * r + 1]);
+                    bias[r] -= dm0 * xb[0].d * (float)(xb[0].qsum[0] + xb[0].qsum[1])
+                             + dm1 * xb[1].d * (float)(xb[1].qsum[0] + xb[1].qsum[1]);
+                }
+            }
+        }
+        break;
+    }
+    case X8_Q6_K:
+        for (int64_t b = 0; b < nb; b++, w += 210) {
+            const float d = half_of(w + 208);
+            const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = w + 64 * h, *qhp = w + 128 + 32 * h;
+                const int8_t *sc = (const int8_t *)(w + 192 + 8 * h);
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)qhp);
+                codes32 c[4];
+                c[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+                c[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+                c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+                c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+                for (int k = 0; k < 4; k++) {
+                    const float s0 = d * (float)sc[2 * k], s1 = d * (float)sc[2 * k + 1];
+                    for (int r = 0; r < num_x; r++) {
+                        const fm_x8 *xb = x + r * x_blocks + b * 8 + 4 * h + k;
+                        const __m256 scale = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+                        __m256 *a = acc + 2 * r + (k & 1);
+                        *a = _mm256_fmadd_ps(dot_u8(c[k], xb->q), _mm256_mul_ps(scale, _mm256_set1_ps(xb->d)), *a);
+                        bias[r] -= 32.0f * xb->d * (s0 * (float)xb->qsum[0] + s1 * (float)xb->qsum[1]);
+                    }
+                }
+            }
+        }
+        break;
+    }
+    for (int r = 0; r < num_x; r++) out[r] = hsum_ps(_mm256_add_ps(acc[2 * r], acc[2 * r + 1])) + bias[r];
+}
+#else
+/* Portable: the same integer sums, one weight at a time (codes unpacked into a 256-entry buffer per block). */
+static int unpack_codes(int type, const uint8_t *w, int *codes, float *scale, float *offset) {
+    /* per 16 weights: scale[k] multiplies sum(code * xq) * dx; offset kind is handled by the caller */
+    (void)offset;
+    switch (type) {
+    case X8_Q4_0: case X8_Q4_1: {
+        const uint8_t *q = w + (type == X8_Q4_0 ? 2 : 4);
+        for (int j = 0; j < 16; j++) codes[j] = q[j] & 0x0F, codes[j + 16] = q[j] >> 4;
+        scale[0] = scale[1] = half_of(w);
+        return 32;
+    }
+    case X8_Q5_0: case X8_Q5_1: {
+        const int off = type == X8_Q5_0 ? 2 : 4;
+        uint32_t qh;
+        memcpy(&qh, w + off, 4);
+        const uint8_t *q = w + off + 4;
+        for (int j = 0; j < 16; j++) {
+            codes[j] = (q[j] & 0x0F) | (((qh >> j) & 1) << 4);
+            codes[j + 16] = (q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        }
+        scale[0] = scale[1] = half_of(w);
+        return 32;
+    }
+    case X8_Q8_0:
+        for (int j = 0; j < 32; j++) codes[j] = (int8_t)w[2 + j];
+        scale[0] = scale[1] = half_of(w);
+        return 32;
+    case X8_IQ4_NL:
+        for (int j = 0; j < 16; j++) codes[j] = IQ4[w[2 + j] & 0x0F], codes[j + 16] = IQ4[w[2 + j] >> 4];
+        scale[0] = scale[1] = half_of(w);
+        return 32;
+    case X8_IQ4_XS:
+        for (int k = 0; k < 8; k++) {
+            const uint8_t *q = w + 8 + 16 * k;
+            for (int j = 0; j < 16; j++) {
+                codes[32 * k + j] = IQ4[q[j] & 0x0F];
+                codes[32 * k + j + 16] = IQ4[q[j] >> 4];
+            }
+            scale[2 * k] = scale[2 * k + 1] = half_of(w) * (float)iq4xs_ls(w, k);
+        }
+        return 256;
+    case X8_Q4_K: case X8_Q5_K: {
+        const float d = half_of(w);
+        const int five = type == X8_Q5_K;
+        const uint8_t *q = w + (five ? 48 : 16), *qh = w + 16;
+        for (int pair = 0; pair < 4; pair++) {
+            int sc0, mn0, sc1, mn1;
+            q4k_sm(2 * pair, w + 4, &sc0, &mn0);
+            q4k_sm(2 * pair + 1, w + 4, &sc1, &mn1);
+            for (int l = 0; l < 32; l++) {
+                codes[64 * pair + l] = q[32 * pair + l] & 0x0F;
+                codes[64 * pair + 32 + l] = q[32 * pair + l] >> 4;
+                if (five) {
+                    codes[64 * pair + l] |= ((qh[l] >> (2 * pair)) & 1) << 4;
+                    codes[64 * pair + 32 + l] |= ((qh[l] >> (2 * pair + 1)) & 1) << 4;
+                }
+            }
+            scale[4 * pair] = scale[4 * pair + 1] = d * (float)sc0;
+            scale[4 * pair + 2] = scale[4 * pair + 3] = d * (float)sc1;
+        }
+        return 256;
+    }
+    case X8_Q6_K: {
+        const float d = half_of(w + 208);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+            const int8_t *sc = (const int8_t *)(w + 192 + 8 * h);
+            for (int l = 0; l < 32; l++) {
+                codes[128 * h + l] = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
+                codes[128 * h + 32 + l] = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+                codes[128 * h + 64 + l] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                codes[128 * h + 96 + l] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+            }
+            for (int k = 0; k < 8; k++) scale[8 * h + k] = d * (float)sc[k];
+        }
+        return 256;
+    }
+    }
+    return 0;
+}
+
+static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64_t x_blocks, int num_x, float *out) {
+    const int bytes = type == X8_Q4_0 ? 18 : type == X8_Q4_1 ? 20 : type == X8_Q5_0 ? 22 : type == X8_Q5_1 ? 24
+                    : type == X8_Q8_0 ? 34 : type == X8_Q4_K ? 144 : type == X8_Q5_K ? 176
+                    : type == X8_IQ4_NL ? 18 : type == X8_IQ4_XS ? 136 : 210;
+    for (int r = 0; r < num_x; r++) out[r] = 0.0f;
+    int codes[256];
+    float scale[16], unused;
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        const int n = unpack_codes(type, w, codes, scale, &unused);
+        for (int r = 0; r < num_x; r++) {
+            const fm_x8 *xb = x + r * x_blocks + b * (n / 32);
+            float acc = 0.0f;
+            for (int k = 0; k < n / 16; k++) {
+                const fm_x8 *xk = xb + k / 2;
+                int s = 0;
+                for (int j = 0; j < 16; j++) s += codes[16 * k + j] * xk->q[16 * (k % 2) + j];
+                acc += scale[k] * xk->d * (float)s;
+                if (type == X8_Q4_0) acc -= 8.0f * scale[k] * xk->d * (float)xk->qsum[k % 2];
+                else if (type == X8_Q5_0) acc -= 16.0f * scale[k] * xk->d * (float)xk->qsum[k % 2];
+                else if (type == X8_Q6_K) acc -= 32.0f * scale[k] * xk->d * (float)xk->qsum[k % 2];
+            }
+            for (int k = 0; k < n / 32; k++) {
+                const float qs = xb[k].d * (float)(xb[k].qsum[0] + xb[k].qsum[1]);
+                if (type == X8_Q4_1 || type == X8_Q5_1) acc += half_of(w + 2) * qs;
+                else if (type == X8_Q4_K || type == X8_Q5_K) {
+                    int sc, mn;
+                    q4k_sm(k, w + 4, &sc, &mn);
+                    acc -= half_of(w + 2) * (float)mn * qs;
+                }
+            }
+            out[r] += acc;
+        }
+    }
+}
+#endif
+
+/* y[r][row] = sum_c W[row][c] * x[r][c] from x quantized by fm_quantize_x8 (x_blocks = cols / 32 per row).
+ * Returns 0, -1 for a format without an 8-bit path, -2 for a shape the kernel does not take. */
+int fm_qgemv_x8(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t row_bytes, const fm_x8 *x,
+                int64_t num_x, float *y, int64_t y_stride, int num_threads) {
+    int qk, block_bytes;
+    switch (type) {
+    case X8_Q4_0: qk = 32, block_bytes = 18; break;
+    case X8_Q4_1: qk = 32, block_bytes = 20; break;
+    case X8_Q5_0: qk = 32, block_bytes = 22; break;
+    case X8_Q5_1: qk = 32, block_bytes = 24; break;
+    case X8_Q8_0: qk = 32, block_bytes = 34; break;
+    case X8_Q4_K: qk = 256, block_bytes = 144; break;
+    case X8_Q5_K: qk = 256, block_bytes = 176; break;
+    case X8_IQ4_NL: qk = 32, block_bytes = 18; break;
+    case X8_IQ4_XS: qk = 256, block_bytes = 136; break;
+    case X8_Q6_K: qk = 256, block_bytes = 210; break;
+    default: return -1;
+    }
+    if (num_x < 1 || num_x > FM_MAX_X || cols % qk != 0 || row_bytes != cols / qk * block_bytes) return -2;
+    const int64_t nb = cols / qk, x_blocks = cols / 32;
+#pragma omp parallel for schedule(dynamic, 16) num_threads(num_threads) if (rows * cols >= 65536)
+    for (int64_t row = 0; row < rows; row++) {
+        float out[FM_MAX_X] = {0};
+        row_x8(type, w + row * row_bytes, nb, x, x_blocks, (int)num_x, out);
+        for (int64_t r = 0; r < num_x; r++) y[r * y_stride + row] = out[r];
+    }
+    return 0;
+}

@@ -1,0 +1,113 @@
+"""The decode GEMV with 8-bit activations (csrc/q8_gemv.c): for every block format it computes
+exactly the float32-dequantized weights times x rounded to 8 bits per 32 values, its rows do not
+depend on how many rows one call takes, and the portable C (no AVX2) computes the same sums."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flashmemory.model.native import quant_kernels
+from flashmemory.model.quantized import BLOCK_FORMATS
+from flashmemory.native_build import BASE_FLAGS, build_library
+from tests.model.test_quantized_weights import _random_blocks, _reference
+
+FORMATS = list(BLOCK_FORMATS)
+LIB = quant_kernels.library()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the native kernels are absent")
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: per 32 values, d = max|x| / 127 times round(x / d), within +-127."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inverse).clamp(-127, 127)
+    return (codes * (amax / 127.0)).reshape(x.shape)
+
+
+def _gemv_x8(lib: ctypes.CDLL, type_name: str, blocks: torch.Tensor, cols: int,
+             x: torch.Tensor) -> torch.Tensor:
+    xq = torch.empty(quant_kernels.x8_bytes(lib, x.shape[0], cols), dtype=torch.uint8)
+    quant_kernels.quantize_x8(lib, x, xq)
+    out = torch.empty(x.shape[0], blocks.shape[0])
+    quant_kernels.qgemv_x8(lib, type_name, blocks, cols, xq, x.shape[0], out)
+    return out
+
+
+@pytest.mark.parametrize("num_x", [1, 5])
+@pytest.mark.parametrize("type_name", FORMATS)
+def test_the_product_is_the_dequantized_weights_times_the_rounded_x(type_name, num_x):
+    rows, cols = 96, 512
+    raw = _random_blocks(type_name, rows, cols, seed=num_x + 3)
+    blocks = torch.from_numpy(np.ascontiguousarray(raw))
+    x = torch.randn(num_x, cols, generator=torch.Generator().manual_seed(num_x))
+    w = _reference(raw, type_name, rows, cols)
+    out = _gemv_x8(LIB, type_name, blocks, cols, x)
+    rounded, exact = _rounded(x) @ w.T, x @ w.T
+
+    def error(y):
+        return ((out - y).norm() / y.norm()).item()
+
+    # The rounding of x moves the product by ~0.5 %; the kernel's sums match the rounded x's to
+    # ~1e-6 (a rare code that rounds the other way under -ffast-math is one value of 512).
+    assert error(rounded) < 1e-4, error(rounded)
+    assert 1e-4 < error(exact) < 2e-2, error(exact)
+
+
+@pytest.mark.parametrize("type_name", FORMATS)
+def test_each_row_is_the_one_row_product_bit_for_bit(type_name):
+    """A speculative verification's rows must be what each decode step computes alone."""
+    rows, cols = 64, 512
+    blocks = torch.from_numpy(np.ascontiguousarray(_random_blocks(type_name, rows, cols, seed=11)))
+    x = torch.randn(quant_kernels.MAX_X_ROWS, cols, generator=torch.Generator().manual_seed(1))
+    together = _gemv_x8(LIB, type_name, blocks, cols, x)
+    for r in range(x.shape[0]):
+        alone = _gemv_x8(LIB, type_name, blocks, cols, x[r : r + 1])
+        assert torch.equal(together[r], alone[0]), f"row {r}"
+
+
+def test_a_shape_the_kernel_does_not_take_is_refused():
+    blocks = torch.from_numpy(np.ascontiguousarray(_random_blocks("Q4_K", 8, 256)))
+    xq = torch.empty(quant_kernels.x8_bytes(LIB, 1, 512), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="refused a Q4_K weight of 8 x 512"):
+        quant_kernels.qgemv_x8(LIB, "Q4_K", blocks, 512, xq, 1, torch.empty(1, 8))
+
+
+def test_the_setting_resolves_by_what_the_cpu_runs():
+    assert quant_kernels.resolve_decode_activations("float32", LIB) == "float32"
+    assert quant_kernels.resolve_decode_activations("int8", LIB) == "int8"
+    assert quant_kernels.resolve_decode_activations("auto", None) == "float32"
+    expected = "int8" if LIB.fm_x8_vectorized() else "float32"
+    assert quant_kernels.resolve_decode_activations("auto", LIB) == expected
+    with pytest.raises(ValueError, match="decode_activations='int4'"):
+        quant_kernels.resolve_decode_activations("int4", LIB)
+
+
+@pytest.fixture(scope="module")
+def portable() -> ctypes.CDLL:
+    source = Path(quant_kernels.__file__).with_name("csrc") / "q8_gemv.c"
+    flags = (*BASE_FLAGS, "-fopenmp", "-mno-avx2", "-mno-fma")
+    lib = build_library("flashmemory_q8_portable", [source], flags, "the 8-bit GEMV (portable)")
+    if lib is None:
+        pytest.skip("the portable build failed")
+    lib.fm_quantize_x8.argtypes = LIB.fm_quantize_x8.argtypes
+    lib.fm_qgemv_x8.argtypes, lib.fm_qgemv_x8.restype = LIB.fm_qgemv_x8.argtypes, ctypes.c_int
+    lib.fm_x8_block_bytes.restype = ctypes.c_int64
+    return lib
+
+
+@pytest.mark.parametrize("type_name", FORMATS)
+def test_the_portable_c_computes_the_vectorized_sums(portable, type_name):
+    assert portable.fm_x8_vectorized() == 0
+    rows, cols = 32, 512
+    blocks = torch.from_numpy(np.ascontiguousarray(_random_blocks(type_name, rows, cols, seed=5)))
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(2))
+    vectorized = _gemv_x8(LIB, type_name, blocks, cols, x)
+    scale = vectorized.abs().max().item()
+    torch.testing.assert_close(_gemv_x8(portable, type_name, blocks, cols, x), vectorized,
+                               rtol=1e-4, atol=1e-5 * scale)
