@@ -21,7 +21,8 @@ LOGITS_ATOL = 1e-3
 def qwen_engine(qwen_path):
     from flashmemory import FlashMemoryEngine
 
-    engine = FlashMemoryEngine(model_path=str(qwen_path), kv_cache="contiguous")
+    engine = FlashMemoryEngine(model_path=str(qwen_path), kv_cache="contiguous",
+                               decode_activations="float32")  # parity is the float path's
     yield engine
     engine.close()
 
