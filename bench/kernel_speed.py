@@ -57,7 +57,9 @@ def _blocks(rng: np.random.Generator, type_name: str, rows: int, cols: int) -> t
     scale = np.frombuffer(np.float16(0.01).tobytes() * 2, dtype=np.uint8)
     if type_name in ("Q4_K", "Q5_K"):  # d and dmin first
         raw[..., 0:4] = scale
-    elif type_name == "Q6_K":  # d last
+    elif type_name == "Q2_K":  # d and dmin last
+        raw[..., -4:] = scale
+    elif type_name in ("Q3_K", "Q6_K"):  # d last
         raw[..., -2:] = scale[:2]
     else:  # IQ4: d first
         raw[..., 0:2] = scale[:2]
@@ -65,9 +67,10 @@ def _blocks(rng: np.random.Generator, type_name: str, rows: int, cols: int) -> t
 
 
 # (format, rows, cols): SmolLM2's Q4_1 gate_up and down and Q8_0 LM head, the Qwen2.5-Coder models' Q5_0 gate,
-# Q4_K and Q6_K ffn_down (0.5B shapes), and Q5_K / IQ4_XS (Q5_K_M, IQ4_XS files) at that shape
+# Q4_K and Q6_K ffn_down (0.5B shapes), and Q5_K / IQ4_XS / Q2_K / Q3_K (Q5_K_M, IQ4_XS, Q2_K, Q3_K_M files) at that shape
 GEMV_SHAPES = [("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576), ("Q5_0", 4864, 896),
-               ("Q4_K", 896, 4864), ("Q5_K", 896, 4864), ("Q6_K", 896, 4864), ("IQ4_XS", 896, 4864)]
+               ("Q4_K", 896, 4864), ("Q5_K", 896, 4864), ("Q6_K", 896, 4864), ("IQ4_XS", 896, 4864),
+               ("Q2_K", 896, 4864), ("Q3_K", 896, 4864)]
 
 
 def gemv(rng: np.random.Generator) -> None:

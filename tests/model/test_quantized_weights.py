@@ -25,7 +25,8 @@ native = pytest.mark.skipif(quant_kernels.library() is None, reason="no C compil
 
 def _random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Encoded rows: the gguf quantizer's output where it can write the format, else random bytes with finite
-    fp16 scales where each format keeps them (K-quants: d and dmin first, Q6_K's d last; IQ4: d first)."""
+    fp16 scales where each format keeps them (Q4_K/Q5_K: d and dmin first; Q2_K: d and dmin last; Q3_K and
+    Q6_K: d last; IQ4: d first)."""
     qtype = gguf.GGMLQuantizationType[type_name]
     rng = np.random.default_rng(seed)
     if not type_name.endswith("_K") and not type_name.startswith("IQ"):
@@ -36,7 +37,9 @@ def _random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nd
     scales = np.frombuffer(np.float16(0.01).tobytes() * 2, dtype=np.uint8)
     if type_name in ("Q4_K", "Q5_K"):
         blocks[..., 0:4] = scales
-    elif type_name == "Q6_K":
+    elif type_name == "Q2_K":
+        blocks[..., -4:] = scales
+    elif type_name in ("Q3_K", "Q6_K"):
         blocks[..., -2:] = scales[:2]
     else:
         blocks[..., 0:2] = scales[:2]

@@ -8,6 +8,7 @@
  *   Q8_0          w = d * q               signed codes (the sign trick: |q| . sign(x, q))
  *   Q4_K / Q5_K   w = d * sc * q - dmin * mn, a scale and a min per sub-block of 32
  *   Q6_K          w = d * sc * (q - 32), a scale per 16
+ *   Q3_K          w = d * (sc - 32) * (q - 4), a scale per 16; Q2_K  w = d * sc * q - dmin * mn, per 16
  *   IQ4_NL/IQ4_XS w = d (* (ls - 32)) * IQ4[q]: the code book looked up into signed bytes (vpshufb)
  * Every offset (-8, m, -dmin * mn, -32) multiplies the sum of x's codes, not of x itself: the error is then
  * sum_c w[c] * (x'[c] - x[c]) for the rounded x', as small as 8-bit x allows (the float sum would leave
@@ -23,8 +24,36 @@
 
 #define FM_MAX_X 8
 
-enum { X8_Q4_0 = 2, X8_Q4_1 = 3, X8_Q5_0 = 6, X8_Q5_1 = 7, X8_Q8_0 = 8, X8_Q4_K = 12, X8_Q5_K = 13,
-       X8_Q6_K = 14, X8_IQ4_NL = 20, X8_IQ4_XS = 23 };
+enum { X8_Q4_0 = 2, X8_Q4_1 = 3, X8_Q5_0 = 6, X8_Q5_1 = 7, X8_Q8_0 = 8, X8_Q2_K = 10, X8_Q3_K = 11,
+       X8_Q4_K = 12, X8_Q5_K = 13, X8_Q6_K = 14, X8_IQ4_NL = 20, X8_IQ4_XS = 23 };
+
+/* bytes per block of a format with an 8-bit path, 0 for the others */
+static int block_bytes_of(int type) {
+    switch (type) {
+    case X8_Q4_0: return 18;
+    case X8_Q4_1: return 20;
+    case X8_Q5_0: return 22;
+    case X8_Q5_1: return 24;
+    case X8_Q8_0: return 34;
+    case X8_Q2_K: return 84;
+    case X8_Q3_K: return 110;
+    case X8_Q4_K: return 144;
+    case X8_Q5_K: return 176;
+    case X8_Q6_K: return 210;
+    case X8_IQ4_NL: return 18;
+    case X8_IQ4_XS: return 136;
+    default: return 0;
+    }
+}
+
+/* Q3_K's 16 6-bit scales (stored + 32) from their 12 packed bytes: low nibbles of bytes 0..7, high bits in 8..11 */
+static inline void q3k_scales(const uint8_t *packed, int8_t *sc) {
+    for (int k = 0; k < 16; k++) {
+        const int low = k < 8 ? packed[k] & 0x0F : packed[k - 8] >> 4;
+        const int high = (packed[8 + k % 4] >> (2 * (k / 4))) & 3;
+        sc[k] = (int8_t)(low | (high << 4));
+    }
+}
 
 static const int8_t IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -223,6 +252,42 @@ static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64
         }
         break;
     }
+    case X8_Q2_K: case X8_Q3_K: {
+        /* 2-bit codes (Q3_K: a third bit from hmask, minus 4), a scale per 16 weights (Q2_K: and a min) */
+        const int three = type == X8_Q3_K, bytes = three ? 110 : 84;
+        const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+        for (int64_t b = 0; b < nb; b++, w += bytes) {
+            const float d = half_of(w + (three ? 108 : 80)), dmin = three ? 0.0f : half_of(w + 82);
+            int8_t sc3[16];
+            if (three) q3k_scales(w + 96, sc3);
+            const __m256i hm = three ? _mm256_loadu_si256((const __m256i *)w) : _mm256_setzero_si256();
+            for (int h = 0; h < 2; h++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(w + (three ? 32 : 16) + 32 * h));
+                for (int j = 0; j < 4; j++) {
+                    codes32 c = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * j)), m2);
+                    const int k = 8 * h + 2 * j;
+                    float s0, s1, o0, o1;
+                    if (three) {
+                        const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(4 * h + j)), one);
+                        c = _mm256_or_si256(c, _mm256_slli_epi16(hb, 2));
+                        s0 = d * (float)(sc3[k] - 32), s1 = d * (float)(sc3[k + 1] - 32);
+                        o0 = -4.0f * s0, o1 = -4.0f * s1;
+                    } else {
+                        s0 = d * (float)(w[k] & 0x0F), s1 = d * (float)(w[k + 1] & 0x0F);
+                        o0 = -dmin * (float)(w[k] >> 4), o1 = -dmin * (float)(w[k + 1] >> 4);
+                    }
+                    const __m256 scale = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+                    for (int r = 0; r < num_x; r++) {
+                        const fm_x8 *xb = x + r * x_blocks + b * 8 + 4 * h + j;
+                        __m256 *a = acc + 2 * r + (j & 1);
+                        *a = _mm256_fmadd_ps(dot_u8(c, xb->q), _mm256_mul_ps(scale, _mm256_set1_ps(xb->d)), *a);
+                        bias[r] += xb->d * (o0 * (float)xb->qsum[0] + o1 * (float)xb->qsum[1]);
+                    }
+                }
+            }
+        }
+        break;
+    }
     case X8_Q6_K:
         for (int64_t b = 0; b < nb; b++, w += 210) {
             const float d = half_of(w + 208);
@@ -258,65 +323,74 @@ static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64
     for (int r = 0; r < num_x; r++) out[r] = hsum_ps(_mm256_add_ps(acc[2 * r], acc[2 * r + 1])) + bias[r];
 }
 #else
-/* Portable: the same integer sums, one weight at a time (codes unpacked into a 256-entry buffer per block). */
+/* Portable: the same integer sums, one weight at a time. Each block unpacks into codes and, per 16 weights,
+ * the factor of sum(code * xq) * dx (scale) and of sum(xq) * dx (offset). */
 static int unpack_codes(int type, const uint8_t *w, int *codes, float *scale, float *offset) {
-    /* per 16 weights: scale[k] multiplies sum(code * xq) * dx; offset kind is handled by the caller */
-    (void)offset;
     switch (type) {
-    case X8_Q4_0: case X8_Q4_1: {
-        const uint8_t *q = w + (type == X8_Q4_0 ? 2 : 4);
-        for (int j = 0; j < 16; j++) codes[j] = q[j] & 0x0F, codes[j + 16] = q[j] >> 4;
-        scale[0] = scale[1] = half_of(w);
-        return 32;
-    }
-    case X8_Q5_0: case X8_Q5_1: {
-        const int off = type == X8_Q5_0 ? 2 : 4;
-        uint32_t qh;
-        memcpy(&qh, w + off, 4);
-        const uint8_t *q = w + off + 4;
+    case X8_Q4_0: case X8_Q4_1: case X8_Q5_0: case X8_Q5_1: {
+        const int five = type == X8_Q5_0 || type == X8_Q5_1, with_min = type == X8_Q4_1 || type == X8_Q5_1;
+        const uint8_t *q = w + (with_min ? 4 : 2) + (five ? 4 : 0);
+        uint32_t qh = 0;
+        if (five) memcpy(&qh, w + (with_min ? 4 : 2), 4);
         for (int j = 0; j < 16; j++) {
-            codes[j] = (q[j] & 0x0F) | (((qh >> j) & 1) << 4);
-            codes[j + 16] = (q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+            codes[j] = (q[j] & 0x0F) | (int)(((qh >> j) & 1) << 4);
+            codes[j + 16] = (q[j] >> 4) | (int)(((qh >> (j + 16)) & 1) << 4);
         }
-        scale[0] = scale[1] = half_of(w);
+        const float d = half_of(w);
+        scale[0] = scale[1] = d;
+        offset[0] = offset[1] = with_min ? half_of(w + 2) : (five ? -16.0f : -8.0f) * d;
         return 32;
     }
-    case X8_Q8_0:
-        for (int j = 0; j < 32; j++) codes[j] = (int8_t)w[2 + j];
+    case X8_Q8_0: case X8_IQ4_NL:
+        for (int j = 0; j < 16 && type == X8_IQ4_NL; j++) codes[j] = IQ4[w[2 + j] & 0x0F], codes[j + 16] = IQ4[w[2 + j] >> 4];
+        for (int j = 0; j < 32 && type == X8_Q8_0; j++) codes[j] = (int8_t)w[2 + j];
         scale[0] = scale[1] = half_of(w);
-        return 32;
-    case X8_IQ4_NL:
-        for (int j = 0; j < 16; j++) codes[j] = IQ4[w[2 + j] & 0x0F], codes[j + 16] = IQ4[w[2 + j] >> 4];
-        scale[0] = scale[1] = half_of(w);
+        offset[0] = offset[1] = 0.0f;
         return 32;
     case X8_IQ4_XS:
         for (int k = 0; k < 8; k++) {
             const uint8_t *q = w + 8 + 16 * k;
-            for (int j = 0; j < 16; j++) {
-                codes[32 * k + j] = IQ4[q[j] & 0x0F];
-                codes[32 * k + j + 16] = IQ4[q[j] >> 4];
-            }
+            for (int j = 0; j < 16; j++) codes[32 * k + j] = IQ4[q[j] & 0x0F], codes[32 * k + j + 16] = IQ4[q[j] >> 4];
             scale[2 * k] = scale[2 * k + 1] = half_of(w) * (float)iq4xs_ls(w, k);
+            offset[2 * k] = offset[2 * k + 1] = 0.0f;
         }
         return 256;
+    case X8_Q2_K: {
+        const float d = half_of(w + 80), dmin = half_of(w + 82);
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 4; j++)
+                for (int l = 0; l < 32; l++) codes[128 * h + 32 * j + l] = (w[16 + 32 * h + l] >> (2 * j)) & 3;
+        for (int k = 0; k < 16; k++) scale[k] = d * (float)(w[k] & 0x0F), offset[k] = -dmin * (float)(w[k] >> 4);
+        return 256;
+    }
+    case X8_Q3_K: {
+        int8_t sc[16];
+        q3k_scales(w + 96, sc);
+        const float d = half_of(w + 108);
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 4; j++)
+                for (int l = 0; l < 32; l++)
+                    codes[128 * h + 32 * j + l] = ((w[32 + 32 * h + l] >> (2 * j)) & 3) | (((w[l] >> (4 * h + j)) & 1) << 2);
+        for (int k = 0; k < 16; k++) scale[k] = d * (float)(sc[k] - 32), offset[k] = -4.0f * scale[k];
+        return 256;
+    }
     case X8_Q4_K: case X8_Q5_K: {
-        const float d = half_of(w);
+        const float d = half_of(w), dmin = half_of(w + 2);
         const int five = type == X8_Q5_K;
         const uint8_t *q = w + (five ? 48 : 16), *qh = w + 16;
         for (int pair = 0; pair < 4; pair++) {
-            int sc0, mn0, sc1, mn1;
-            q4k_sm(2 * pair, w + 4, &sc0, &mn0);
-            q4k_sm(2 * pair + 1, w + 4, &sc1, &mn1);
-            for (int l = 0; l < 32; l++) {
-                codes[64 * pair + l] = q[32 * pair + l] & 0x0F;
-                codes[64 * pair + 32 + l] = q[32 * pair + l] >> 4;
-                if (five) {
-                    codes[64 * pair + l] |= ((qh[l] >> (2 * pair)) & 1) << 4;
-                    codes[64 * pair + 32 + l] |= ((qh[l] >> (2 * pair + 1)) & 1) << 4;
+            for (int half = 0; half < 2; half++) {
+                int sc, mn;
+                q4k_sm(2 * pair + half, w + 4, &sc, &mn);
+                for (int l = 0; l < 32; l++) {
+                    int c = half ? q[32 * pair + l] >> 4 : q[32 * pair + l] & 0x0F;
+                    if (five) c |= ((qh[l] >> (2 * pair + half)) & 1) << 4;
+                    codes[64 * pair + 32 * half + l] = c;
                 }
+                const int k = 4 * pair + 2 * half;
+                scale[k] = scale[k + 1] = d * (float)sc;
+                offset[k] = offset[k + 1] = -dmin * (float)mn;
             }
-            scale[4 * pair] = scale[4 * pair + 1] = d * (float)sc0;
-            scale[4 * pair + 2] = scale[4 * pair + 3] = d * (float)sc1;
         }
         return 256;
     }
@@ -331,7 +405,7 @@ static int unpack_codes(int type, const uint8_t *w, int *codes, float *scale, fl
                 codes[128 * h + 64 + l] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
                 codes[128 * h + 96 + l] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
             }
-            for (int k = 0; k < 8; k++) scale[8 * h + k] = d * (float)sc[k];
+            for (int k = 0; k < 8; k++) scale[8 * h + k] = d * (float)sc[k], offset[8 * h + k] = -32.0f * scale[8 * h + k];
         }
         return 256;
     }
@@ -340,14 +414,12 @@ static int unpack_codes(int type, const uint8_t *w, int *codes, float *scale, fl
 }
 
 static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64_t x_blocks, int num_x, float *out) {
-    const int bytes = type == X8_Q4_0 ? 18 : type == X8_Q4_1 ? 20 : type == X8_Q5_0 ? 22 : type == X8_Q5_1 ? 24
-                    : type == X8_Q8_0 ? 34 : type == X8_Q4_K ? 144 : type == X8_Q5_K ? 176
-                    : type == X8_IQ4_NL ? 18 : type == X8_IQ4_XS ? 136 : 210;
+    const int bytes = block_bytes_of(type);
     for (int r = 0; r < num_x; r++) out[r] = 0.0f;
     int codes[256];
-    float scale[16], unused;
+    float scale[16], offset[16];
     for (int64_t b = 0; b < nb; b++, w += bytes) {
-        const int n = unpack_codes(type, w, codes, scale, &unused);
+        const int n = unpack_codes(type, w, codes, scale, offset);
         for (int r = 0; r < num_x; r++) {
             const fm_x8 *xb = x + r * x_blocks + b * (n / 32);
             float acc = 0.0f;
@@ -355,19 +427,7 @@ static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64
                 const fm_x8 *xk = xb + k / 2;
                 int s = 0;
                 for (int j = 0; j < 16; j++) s += codes[16 * k + j] * xk->q[16 * (k % 2) + j];
-                acc += scale[k] * xk->d * (float)s;
-                if (type == X8_Q4_0) acc -= 8.0f * scale[k] * xk->d * (float)xk->qsum[k % 2];
-                else if (type == X8_Q5_0) acc -= 16.0f * scale[k] * xk->d * (float)xk->qsum[k % 2];
-                else if (type == X8_Q6_K) acc -= 32.0f * scale[k] * xk->d * (float)xk->qsum[k % 2];
-            }
-            for (int k = 0; k < n / 32; k++) {
-                const float qs = xb[k].d * (float)(xb[k].qsum[0] + xb[k].qsum[1]);
-                if (type == X8_Q4_1 || type == X8_Q5_1) acc += half_of(w + 2) * qs;
-                else if (type == X8_Q4_K || type == X8_Q5_K) {
-                    int sc, mn;
-                    q4k_sm(k, w + 4, &sc, &mn);
-                    acc -= half_of(w + 2) * (float)mn * qs;
-                }
+                acc += xk->d * (scale[k] * (float)s + offset[k] * (float)xk->qsum[k % 2]);
             }
             out[r] += acc;
         }
@@ -379,20 +439,10 @@ static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64
  * Returns 0, -1 for a format without an 8-bit path, -2 for a shape the kernel does not take. */
 int fm_qgemv_x8(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t row_bytes, const fm_x8 *x,
                 int64_t num_x, float *y, int64_t y_stride, int num_threads) {
-    int qk, block_bytes;
-    switch (type) {
-    case X8_Q4_0: qk = 32, block_bytes = 18; break;
-    case X8_Q4_1: qk = 32, block_bytes = 20; break;
-    case X8_Q5_0: qk = 32, block_bytes = 22; break;
-    case X8_Q5_1: qk = 32, block_bytes = 24; break;
-    case X8_Q8_0: qk = 32, block_bytes = 34; break;
-    case X8_Q4_K: qk = 256, block_bytes = 144; break;
-    case X8_Q5_K: qk = 256, block_bytes = 176; break;
-    case X8_IQ4_NL: qk = 32, block_bytes = 18; break;
-    case X8_IQ4_XS: qk = 256, block_bytes = 136; break;
-    case X8_Q6_K: qk = 256, block_bytes = 210; break;
-    default: return -1;
-    }
+    const int block_bytes = block_bytes_of(type);
+    if (block_bytes == 0) return -1;
+    const int qk = type == X8_Q4_0 || type == X8_Q4_1 || type == X8_Q5_0 || type == X8_Q5_1 || type == X8_Q8_0
+                   || type == X8_IQ4_NL ? 32 : 256;
     if (num_x < 1 || num_x > FM_MAX_X || cols % qk != 0 || row_bytes != cols / qk * block_bytes) return -2;
     const int64_t nb = cols / qk, x_blocks = cols / 32;
 #pragma omp parallel for schedule(dynamic, 16) num_threads(num_threads) if (rows * cols >= 65536)

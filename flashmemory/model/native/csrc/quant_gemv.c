@@ -7,6 +7,11 @@
  *   Q5_0 (6)  32 weights, 22 bytes: fp16 d, 4 bytes fifth bits, nibbles   w = d * (q - 16)
  *   Q5_1 (7)  32 weights, 24 bytes: fp16 d, fp16 m, fifth bits, nibbles   w = d * q + m
  *   Q8_0 (8)  32 weights, 34 bytes: fp16 d, 32 x int8                     w = d * q
+ *   Q2_K (10) 256 weights, 84 bytes: 16 bytes of 4-bit scale | 4-bit min per 16 weights, 64 bytes of 2-bit codes,
+ *             fp16 d, fp16 dmin; weight 32 j + l of each 128-half is bits 2j of byte l of its 32   w = d * sc * q - dmin * mn
+ *   Q3_K (11) 256 weights, 110 bytes: 32 bytes of third bits (hmask), 64 bytes of 2-bit codes as Q2_K's, 12 bytes
+ *             of 16 6-bit scales, fp16 d; weight 32 j + l of half h has its third bit at bit 4h + j of hmask[l]
+ *             w = d * (sc - 32) * ((q | third << 2) - 4)
  *   Q4_K (12) 256 weights, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins for 8 sub-blocks of 32,
  *             128 bytes of nibbles (64 weights per 32 bytes: low halves first)  w = d * sc * q - dmin * mn
  *   Q5_K (13) 256 weights, 176 bytes: fp16 d, fp16 dmin, Q4_K's 12 bytes of scales/mins, 32 bytes of fifth bits,
@@ -34,7 +39,8 @@
 #define FM_MAX_X 8 /* rows of x per GEMV call */
 #define FM_QK_MAX 256
 
-enum { FM_Q4_0 = 2, FM_Q4_1 = 3, FM_Q5_0 = 6, FM_Q5_1 = 7, FM_Q8_0 = 8, FM_Q4_K = 12, FM_Q5_K = 13,
+enum { FM_Q4_0 = 2, FM_Q4_1 = 3, FM_Q5_0 = 6, FM_Q5_1 = 7, FM_Q8_0 = 8, FM_Q2_K = 10, FM_Q3_K = 11,
+       FM_Q4_K = 12, FM_Q5_K = 13,
        FM_Q6_K = 14, FM_IQ4_NL = 20, FM_IQ4_XS = 23 };
 
 static const int8_t IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -173,6 +179,42 @@ static void deq_q6_k(const uint8_t *b, float *y) {
     }
 }
 
+static void deq_q2_k(const uint8_t *b, float *y) {
+    const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *q = b + 16 + 32 * h;
+        for (int j = 0; j < 4; j++) {
+            for (int half = 0; half < 2; half++) {
+                const uint8_t sc = b[8 * h + 2 * j + half];
+                const float dl = d * (float)(sc & 0x0F), ml = dmin * (float)(sc >> 4);
+                for (int l = 0; l < 16; l++) *y++ = dl * (float)((q[16 * half + l] >> (2 * j)) & 3) - ml;
+            }
+        }
+    }
+}
+
+static void deq_q3_k(const uint8_t *b, float *y) {
+    int8_t sc[16];
+    for (int k = 0; k < 16; k++) { /* low nibbles of bytes 0..7 (then their high nibbles), 2 high bits in 8..11 */
+        const int low = k < 8 ? b[96 + k] & 0x0F : b[96 + k - 8] >> 4;
+        sc[k] = (int8_t)(low | (((b[104 + k % 4] >> (2 * (k / 4))) & 3) << 4));
+    }
+    const float d = half_to_float(b + 108);
+    const uint8_t *hm = b;
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *q = b + 32 + 32 * h;
+        for (int j = 0; j < 4; j++) {
+            for (int half = 0; half < 2; half++) {
+                const float dl = d * (float)(sc[8 * h + 2 * j + half] - 32);
+                for (int l = 16 * half; l < 16 * half + 16; l++) {
+                    const int code = ((q[l] >> (2 * j)) & 3) | (((hm[l] >> (4 * h + j)) & 1) << 2);
+                    *y++ = dl * (float)(code - 4);
+                }
+            }
+        }
+    }
+}
+
 static void deq_iq4_nl(const uint8_t *b, float *y) {
     const float d = half_to_float(b);
     for (int j = 0; j < 16; j++) {
@@ -208,6 +250,8 @@ static int format_of(int type, deq_fn *fn, int *qk, int *block_bytes) {
     case FM_Q5_0: *fn = deq_q5_0, *qk = 32, *block_bytes = 22; return 0;
     case FM_Q5_1: *fn = deq_q5_1, *qk = 32, *block_bytes = 24; return 0;
     case FM_Q8_0: *fn = deq_q8_0, *qk = 32, *block_bytes = 34; return 0;
+    case FM_Q2_K: *fn = deq_q2_k, *qk = 256, *block_bytes = 84; return 0;
+    case FM_Q3_K: *fn = deq_q3_k, *qk = 256, *block_bytes = 110; return 0;
     case FM_Q4_K: *fn = deq_q4_k, *qk = 256, *block_bytes = 144; return 0;
     case FM_Q5_K: *fn = deq_q5_k, *qk = 256, *block_bytes = 176; return 0;
     case FM_Q6_K: *fn = deq_q6_k, *qk = 256, *block_bytes = 210; return 0;
