@@ -3,7 +3,8 @@
 Decode (a few rows of x) runs the native GEMV over the blocks, by default with x rounded to 8
 bits once per projection and integer dots (decode_activations); prefill dequantizes tiles of rows
 into one float32 buffer per model (DequantWorkspace) and hands each tile to torch's GEMM, so no
-full float32 copy of a weight ever exists. Without the native library the tiles come from the torch reference dequantization.
+full float32 copy of a weight ever exists. Without the native library the tiles come from the
+torch reference dequantization.
 """
 
 from __future__ import annotations
