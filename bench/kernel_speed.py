@@ -1,5 +1,6 @@
-"""The native kernels alone: the decode GEMV over block-format weights (GEMV_SHAPES) with float32 and with
-8-bit x, 1 and 5 rows, at 1 and 2 threads, medians of interleaved batches; and decode attention over an 8K-shaped read at
+"""The native kernels alone: the decode GEMV over block-format weights (GEMV_SHAPES) with float32
+and with 8-bit x, 1 and 5 rows, at 1 and 2 threads, medians of interleaved batches; and decode
+attention over an 8K-shaped read at
 SmolLM2's geometry (3 KV heads of 64, 3 query heads each, 16-token blocks): per layer 128 INT4 blocks (the 2,048-token
 window), 120 FP16 and 30 INT2 blocks per KV head plus 8 filling fp16 rows, for all 30 layers of a step (so the
 records come from memory, not a warm cache), min and median over many steps at 1 and 2 threads.
@@ -47,7 +48,8 @@ def median_s(fn: Callable[[], None], n: int = 200) -> float:
 
 
 def _blocks(rng: np.random.Generator, type_name: str, rows: int, cols: int) -> torch.Tensor:
-    """Encoded rows: gguf's quantizer where it writes the format, else random codes with small fp16 scales."""
+    """Encoded rows: gguf's quantizer where it writes the format, else random codes with small
+    fp16 scales."""
     qtype = gguf.GGMLQuantizationType[type_name]
     if not type_name.endswith("_K") and not type_name.startswith("IQ"):
         raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
@@ -66,15 +68,17 @@ def _blocks(rng: np.random.Generator, type_name: str, rows: int, cols: int) -> t
     return torch.from_numpy(raw.reshape(rows, -1))
 
 
-# (format, rows, cols): SmolLM2's Q4_1 gate_up and down and Q8_0 LM head, the Qwen2.5-Coder models' Q5_0 gate,
-# Q4_K and Q6_K ffn_down (0.5B shapes), and Q5_K / IQ4_XS / Q2_K / Q3_K (Q5_K_M, IQ4_XS, Q2_K, Q3_K_M files) at that shape
+# (format, rows, cols): SmolLM2's Q4_1 gate_up and down and Q8_0 LM head, the Qwen2.5-Coder
+# models' Q5_0 gate, Q4_K and Q6_K ffn_down (0.5B shapes), and Q5_K / IQ4_XS / Q2_K / Q3_K
+# (Q5_K_M, IQ4_XS, Q2_K, Q3_K_M files) at that shape
 GEMV_SHAPES = [("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576), ("Q5_0", 4864, 896),
                ("Q4_K", 896, 4864), ("Q5_K", 896, 4864), ("Q6_K", 896, 4864), ("IQ4_XS", 896, 4864),
                ("Q2_K", 896, 4864), ("Q3_K", 896, 4864)]
 
 
 def gemv(rng: np.random.Generator) -> None:
-    """Each shape with float32 x (quant_gemv.c) and with x rounded to 8 bits (q8_gemv.c, the rounding
+    """Each shape with float32 x (quant_gemv.c) and with x rounded to 8 bits (q8_gemv.c, the
+    rounding
     included), 1 and 5 rows of x (a decode step, a 4-token speculative verification), the two paths'
     calls interleaved so the machine's load falls on both alike."""
     lib = library()
@@ -98,9 +102,10 @@ def gemv(rng: np.random.Generator) -> None:
                     f32.append(median_s(float_path, 40))
                     i8.append(median_s(int8_path, 40))
                 f, q = statistics.median(f32), statistics.median(i8)
-                print(f"GEMV {type_name} {rows} x {cols}, {num_x} row(s), {threads} thread(s): float32 x "
-                      f"{f * 1e6:.0f} us ({blocks.numel() / f / 1e9:.1f} GB/s of blocks), int8 x {q * 1e6:.0f} us "
-                      f"({blocks.numel() / q / 1e9:.1f} GB/s): {f / q:.2f}x")
+                gb = blocks.numel() / 1e9
+                print(f"GEMV {type_name} {rows} x {cols}, {num_x} row(s), {threads} thread(s): "
+                      f"float32 x {f * 1e6:.0f} us ({gb / f:.1f} GB/s of blocks), "
+                      f"int8 x {q * 1e6:.0f} us ({gb / q:.1f} GB/s): {f / q:.2f}x")
 
 
 class StepRead:

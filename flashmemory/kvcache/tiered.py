@@ -28,7 +28,7 @@ from flashmemory.kvcache.levels.registry import build_levels
 from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
 from flashmemory.kvcache.manager.capacity import KVCapacity
 from flashmemory.kvcache.manager.prefix_cache import PrefixCache, chain_hashes
-from flashmemory.kvcache.native import native_selection, use_native_reads
+from flashmemory.kvcache.native import native_rescore, native_selection, use_native_reads
 from flashmemory.kvcache.placement import Placement
 from flashmemory.kvcache.prefix_store import PrefixStore
 from flashmemory.kvcache.sessions import CacheSessions
@@ -67,7 +67,8 @@ class TieredKVCache(KVCache):
         # Objects told of every query-aware choice (trace recorder, prefetcher); none = no scoring overhead.
         self.choice_observers: list[ChoiceObserver] = []
         self.reader = BlockReader(cfg, self.blocks, self.levels, self.codecs, self.choice_observers,
-                                  native_selection(torch.device("cpu")))  # digests live on the host
+                                  native_selection(torch.device("cpu")),  # digests live on the host
+                                  native_rescore(torch.device("cpu")))  # so do the L1 keys
         self.attention: AttentionBackend = select_backend(cfg.attention_backend, cfg)
         # The newest tokens of each sequence, unquantized in device memory: the still-filling block and, with
         # recent_fp16_tokens, the last full blocks and the sink blocks (attended here, not through INT4 L0 copies).

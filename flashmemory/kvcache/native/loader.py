@@ -11,7 +11,8 @@ from flashmemory.native_build import BASE_FLAGS, build_library
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("decode_attention.c", "decode_batch.c", "quest_select.c",
-                             "heat_mlp.c", "access_stats.c", "quant_range.c", "segment_read.c"))
+                             "heat_mlp.c", "access_stats.c", "quant_range.c", "segment_read.c",
+                             "block_rescore.c"))
 HEADERS = (Path(__file__).with_name("csrc") / "decode_attention.h",)  # in the build's cache key
 # -fopenmp: decode attention splits its blocks over torch's OpenMP threads (the same libgomp, loaded by torch first).
 FLAGS = (*BASE_FLAGS, "-fopenmp")
@@ -37,6 +38,9 @@ def library() -> ctypes.CDLL | None:
     lib.fm_quest_select.restype = ctypes.c_int
     lib.fm_quest_select.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int, _I64, _I64, _I64, _I64, _PTR, _PTR,
                                     _I64, _I64, _PTR, _PTR]
+    lib.fm_rescore_blocks.restype = ctypes.c_int
+    lib.fm_rescore_blocks.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64,
+                                      _I64, ctypes.c_float, _PTR, ctypes.c_int]
     lib.fm_access_update.restype = ctypes.c_int
     lib.fm_access_update.argtypes = [_I64] * 6 + [_PTR, _I64] + [_PTR] * 9
     lib.fm_access_features.restype = ctypes.c_int

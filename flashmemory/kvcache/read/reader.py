@@ -25,8 +25,8 @@ from flashmemory.kvcache.quant import Codec, Parts
 from flashmemory.kvcache.read.choice import ChoiceObserver, LayerChoice
 from flashmemory.kvcache.read.hints import boost_hints, prompt_hints
 from flashmemory.kvcache.read.plan import LevelPlan, plan_reads, primary_copy
-from flashmemory.kvcache.read.selection import (DIGEST_DTYPE, block_scores, rescore_blocks,
-                                                select_blocks, top_blocks)
+from flashmemory.kvcache.read.selection import (DIGEST_DTYPE, block_scores, rescore_scores,
+                                                select_blocks, top_blocks, top_rescored)
 from flashmemory.kvcache.sequence_state import SequenceKV
 
 
@@ -53,12 +53,21 @@ class SelectionKernel(Protocol):
         [num_kv_heads, n] float32, when given, receives the raw scores."""
 
 
+class RescoreKernel(Protocol):
+    """The two-pass read's key scores in one call (e.g. the native kernel); None where it cannot."""
+
+    def scores(self, q: torch.Tensor, records: torch.Tensor, key_offset: int, block_tokens: int,
+               slots: torch.Tensor) -> torch.Tensor | None:
+        """rescore_scores of the keys of `slots` [num_kv_heads, c], read in place in `records`."""
+
+
 class BlockReader:
     """Owns the read path's choices and counters; reads blocks through the levels it was given."""
 
     def __init__(self, cfg: TieredCacheConfig, blocks: BlockManager, levels: dict[Level, StorageLevel],
                  codecs: dict[Level, Codec], observers: list[ChoiceObserver],
-                 selection_kernel: SelectionKernel | None = None) -> None:
+                 selection_kernel: SelectionKernel | None = None,
+                 rescore_kernel: RescoreKernel | None = None) -> None:
         self.cfg = cfg
         self.blocks = blocks
         self.levels = levels
@@ -67,6 +76,7 @@ class BlockReader:
         self._read_through: dict[Level, ReadThrough] = {}
         self._per_head: dict[Level, PerHeadSource] = {}
         self.selection_kernel = selection_kernel  # None: the torch path (read/selection.py) chooses
+        self.rescore_kernel = rescore_kernel  # None: the torch path rescores
         # Per level below L0 (the levels a decode step chooses among), summed over decode steps and
         # layers.
         self.selected_blocks = {level: 0 for level in levels if level != Level.DEVICE}
@@ -205,12 +215,20 @@ class BlockReader:
         pool = self.memory_pool(level)
         assert pool is not None
         slots = plan.slot_tensor[candidates.to(pool.device)]
-        keys = pool.get_layer_keys_per_head(slots, layer).to(q.device)  # [heads, c, bs, head_dim]
+        scores = None
+        if self.rescore_kernel is not None and pool.device.type == "cpu":
+            records, key_offset = pool.key_records(layer)
+            scores = self.rescore_kernel.scores(q, records, key_offset, pool.block_size, slots)
+        if scores is None:
+            # [heads, c, bs, head_dim]
+            keys = pool.get_layer_keys_per_head(slots, layer).to(q.device)
+            scores = rescore_scores(q, keys)
         keep = None
         if hints is not None:
             logical = _index_tensor(plan).to(candidates.device)[candidates]  # [heads, c]
             keep = (logical[:, :, None] == hints.to(candidates.device)[:, None, :]).any(dim=-1)
-        return candidates.gather(1, rescore_blocks(q, keys, budget, keep))
+        chosen = top_rescored(scores.to(candidates.device), budget, keep)
+        return candidates.gather(1, chosen.to(candidates.device))
 
     def prompt_hints(self, plan: LevelPlan, q: torch.Tensor, layer: int) -> torch.Tensor | None:
         """At a prefill chunk, the old blocks its last queries point to: [num_kv_heads, k] logical indices, k from

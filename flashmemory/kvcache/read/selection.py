@@ -69,17 +69,26 @@ def rescore_blocks(q: torch.Tensor, keys: torch.Tensor, budget: int,
 
     q: [num_heads, head_dim] (one decode token); keys: [num_kv_heads, c, block_size, head_dim] of
     the c candidates per KV head; keep: [num_kv_heads, c] bool, candidates kept whatever they score
-    (prompt hints). A block's mass for a query head is the softmax weight its keys take among all
-    candidates' keys; it scores as its largest over the query heads sharing the KV head. Returns
-    positions into the candidates, [num_kv_heads, budget], ascending.
+    (prompt hints). Returns positions into the candidates, [num_kv_heads, budget], ascending.
     """
+    return top_rescored(rescore_scores(q, keys), budget, keep)
+
+
+def top_rescored(scores: torch.Tensor, budget: int, keep: torch.Tensor | None) -> torch.Tensor:
+    """The `budget` best of rescore_scores' [num_kv_heads, c], the `keep` ones first."""
+    if keep is not None:
+        scores = scores.masked_fill(keep, float("inf"))
+    return top_blocks(scores, budget)
+
+
+def rescore_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[num_kv_heads, c]: a block's mass for a query head is the softmax weight its keys take among
+    all candidates' keys (in log); it scores as its largest over the query heads sharing the KV
+    head (the native kernel, kvcache/native/csrc/block_rescore.c, computes the same)."""
     num_kv_heads, c, bs, head_dim = keys.shape
     group = q.shape[0] // num_kv_heads
     qg = q.float().view(num_kv_heads, group, head_dim) * head_dim**-0.5
     logits = torch.matmul(qg, keys.float().reshape(num_kv_heads, c * bs, head_dim).transpose(1, 2))
     per_block = logits.view(num_kv_heads, group, c, bs).logsumexp(dim=-1)  # [heads, group, c]
     share = per_block - per_block.logsumexp(dim=-1, keepdim=True)  # log of each block's weight
-    scores = share.amax(dim=1)  # [heads, c]
-    if keep is not None:
-        scores = scores.masked_fill(keep, float("inf"))
-    return top_blocks(scores, budget)
+    return share.amax(dim=1)  # [heads, c]

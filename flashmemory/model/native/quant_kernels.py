@@ -20,10 +20,10 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name
 FLAGS = (*BASE_FLAGS, "-fopenmp")
 MAX_X_ROWS = 8  # FM_MAX_X: rows of x one GEMV call takes
 # GGUF type ids of the block formats the kernels read (the file format's numbering).
-TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
-            "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
+            "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
 
-# EngineConfig.decode_activations (its choices are declared there): how the decode GEMV multiplies x.
+# EngineConfig.decode_activations (its choices declared there): how the decode GEMV multiplies x.
 DECODE_ACTIVATIONS = setting_of(RunSettings, "decode_activations").choices
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
