@@ -26,7 +26,7 @@ Part = torch.Tensor | QuantizedTensor
 class DequantWorkspace:
     """Owns the float32 buffer prefill tiles are dequantized into and the buffer decode rows of x
     are quantized into, shared by every projection of one model; `activations` is the decode
-    GEMV's ("int8" or "float32")."""
+    GEMV's ("int8", "float32", or "auto": int8 by format, quant_kernels.int8_for)."""
 
     def __init__(self, decode_activations: str = "auto") -> None:
         self._buffer = torch.empty(0)
@@ -83,68 +83,71 @@ class QuantizedLinear(nn.Module):
         self.parts = _merge_same_format(parts)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.workspace = workspace
-        self.int8_activations = workspace.activations == "int8" and not float_activations
+        # Per part: whether its GEMV rounds x to 8 bits (by its format; never for the LM head).
+        self.int8_parts = [isinstance(p, QuantizedTensor) and not float_activations
+                           and quant_kernels.int8_for(workspace.activations, p.type_name)
+                           for p in self.parts]
+        self.int8_activations = any(self.int8_parts)
         self.out_features = sum(p.shape[0] for p in self.parts)
         _register(self, self.parts)
-        # The decode path's GEMV calls, argument tuples prepared once: (type id, blocks, rows, cols, row bytes,
-        # first output column); None when a part is dense or the kernels are absent.
-        self._calls: list[tuple[int, int, int, int, int, int]] | None = None
+        # The decode path's GEMV calls, argument tuples prepared once: (8-bit x, type id, blocks, rows,
+        # cols, row bytes, first output column); None when a part is dense or the kernels are absent.
+        self._calls: list[tuple[bool, int, int, int, int, int, int]] | None = None
         if workspace.native is not None and all(isinstance(p, QuantizedTensor) for p in self.parts):
             self._calls, start = [], 0
-            for p in self.parts:
-                self._calls.append((quant_kernels.TYPE_IDS[p.type_name], p.blocks.data_ptr(), p.rows, p.cols,
-                                    p.blocks.shape[1], start))
+            for p, int8 in zip(self.parts, self.int8_parts):
+                self._calls.append((int8, quant_kernels.TYPE_IDS[p.type_name], p.blocks.data_ptr(),
+                                    p.rows, p.cols, p.blocks.shape[1], start))
                 start += p.rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
         if self._calls is not None and x.dim() == 2 and 0 < x.shape[0] <= quant_kernels.MAX_X_ROWS \
                 and x.dtype == torch.float32:
-            if self.int8_activations:
-                return self._decode_x8(x.contiguous())
             return self._decode(x.contiguous())
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
         x32 = x.float().contiguous()
+        rounded = x32
+        if self.int8_activations and x32.shape[0] > 0:
+            # The rows as the 8-bit GEMV sees them, for the parts that round x, whatever the path
+            # below (GEMM for many rows, the GEMV for a few): a token's numbers do not depend on
+            # whether it came in a chunk of a few rows or of many.
+            rounded = x32.clone()
+            quant_kernels.round_x8(self.workspace.native, rounded)
         out = torch.empty(x.shape[0], self.out_features)
         start = 0
-        for part in self.parts:
+        for part, int8 in zip(self.parts, self.int8_parts):
             rows = part.shape[0]
-            self._project(part, x32, out[:, start : start + rows])
+            self._project(part, rounded if int8 else x32, out[:, start : start + rows], int8)
             start += rows
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype).reshape(*lead, self.out_features)
 
     def _decode(self, x: torch.Tensor) -> torch.Tensor:
-        """The few-rows path with nothing between the caller and the kernel but one call per part."""
+        """The few-rows path with nothing between the caller and the kernel but one call per part
+        (x rounded to 8 bits once, for the parts that take it)."""
+        native = self.workspace.native
         out = torch.empty(x.shape[0], self.out_features)
-        fm_qgemv, threads = self.workspace.native.fm_qgemv, torch.get_num_threads()
+        threads = torch.get_num_threads()
         x_ptr, num_x, x_stride, out_ptr = x.data_ptr(), x.shape[0], x.stride(0), out.data_ptr()
-        for type_id, blocks, rows, cols, row_bytes, start in self._calls:
-            if fm_qgemv(type_id, blocks, rows, cols, row_bytes, x_ptr, num_x, x_stride, out_ptr + 4 * start,
-                        self.out_features, threads) != 0:
-                raise ValueError(f"fm_qgemv refused a weight of {rows} x {cols} (type {type_id})")
+        xq_ptr = self.workspace.quantized_x(x).data_ptr() if self.int8_activations else 0
+        for int8, type_id, blocks, rows, cols, row_bytes, start in self._calls:
+            if int8:
+                rc = native.fm_qgemv_x8(type_id, blocks, rows, cols, row_bytes, xq_ptr, num_x,
+                                        out_ptr + 4 * start, self.out_features, threads)
+            else:
+                rc = native.fm_qgemv(type_id, blocks, rows, cols, row_bytes, x_ptr, num_x, x_stride,
+                                     out_ptr + 4 * start, self.out_features, threads)
+            if rc != 0:
+                raise ValueError(f"the decode GEMV refused a weight of {rows} x {cols} "
+                                 f"(type {type_id}, code {rc})")
         if self.bias is not None:
             out += self.bias
         return out
 
-    def _decode_x8(self, x: torch.Tensor) -> torch.Tensor:
-        """_decode with x rounded to 8 bits once for every part."""
-        out = torch.empty(x.shape[0], self.out_features)
-        fm_qgemv_x8, threads = self.workspace.native.fm_qgemv_x8, torch.get_num_threads()
-        xq_ptr = self.workspace.quantized_x(x).data_ptr()
-        num_x, out_ptr = x.shape[0], out.data_ptr()
-        for type_id, blocks, rows, cols, row_bytes, start in self._calls:
-            if fm_qgemv_x8(type_id, blocks, rows, cols, row_bytes, xq_ptr, num_x,
-                           out_ptr + 4 * start, self.out_features, threads) != 0:
-                raise ValueError(
-                    f"fm_qgemv_x8 refused a weight of {rows} x {cols} (type {type_id})")
-        if self.bias is not None:
-            out += self.bias
-        return out
-
-    def _project(self, part: Part, x: torch.Tensor, out: torch.Tensor) -> None:
+    def _project(self, part: Part, x: torch.Tensor, out: torch.Tensor, int8: bool) -> None:
         if not isinstance(part, QuantizedTensor):
             out.copy_(F.linear(x, part.float()))
             return
@@ -152,7 +155,7 @@ class QuantizedLinear(nn.Module):
         if x.shape[0] == 0:  # a prefill chunk whose logits are not wanted
             return
         if native is not None and x.shape[0] <= quant_kernels.MAX_X_ROWS:
-            if self.int8_activations:
+            if int8:
                 quant_kernels.qgemv_x8(native, part.type_name, part.blocks, part.cols,
                                        self.workspace.quantized_x(x), x.shape[0], out)
             else:

@@ -153,10 +153,10 @@ def build_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype
 def weights_label(weights_dtype: str, device: torch.device, activations: str) -> str:
     """How a model's weights compute, in the words fingerprints keep (the KV of a prompt decoded
     under another label is other KV): weights_dtype, then " (torchao)" for CUDA's int8/int4
-    weights, " (int8 activations)" where the CPU's block-format GEMV rounds x to 8 bits (decode
-    rows and prefill chunks of a few tokens)."""
+    weights, " (int8 activations)" / " (int8 activations by format)" where the CPU's block-format
+    GEMV rounds x to 8 bits for every format / by quant_kernels.int8_for."""
     if cuda_weights.uses_torchao(weights_dtype, device):
         return f"{weights_dtype} (torchao)"
-    if activations == "int8" and device.type == "cpu" and weights_dtype in ("auto", "q8_0", "q4_0"):
-        return f"{weights_dtype} (int8 activations)"
+    if activations != "float32" and device.type == "cpu" and weights_dtype in ("auto", "q8_0", "q4_0"):
+        return f"{weights_dtype} (int8 activations{' by format' if activations == 'auto' else ''})"
     return weights_dtype

@@ -98,11 +98,18 @@ def test_fingerprint_changes_with_the_weights(tiny_llama, tmp_path):
 
 
 def test_q8_0_through_torchao_is_not_the_cpus_q8_0(engine, monkeypatch):
-    """weights_dtype="q8_0" is GGUF blocks on the CPU, torchao int8 on CUDA: a snapshot of one is not the other's."""
-    monkeypatch.setattr(engine.config, "weights_dtype", "q8_0")
-    on_cpu = engine_fingerprint(engine)
-    monkeypatch.setattr(engine, "device", torch.device("cuda"))
-    assert on_cpu["weights_dtype"] == "q8_0" and engine_fingerprint(engine)["weights_dtype"] == "q8_0 (torchao)"
+    """weights_dtype="q8_0" is GGUF blocks on the CPU, torchao int8 on CUDA, and the CPU's blocks
+    decode with int8 or float32 x: a snapshot of one is not another's."""
+    from flashmemory.model.loader import weights_label
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert weights_label("q8_0", cpu, "float32") == "q8_0"
+    assert weights_label("q8_0", cpu, "int8") == "q8_0 (int8 activations)"
+    assert weights_label("auto", cpu, "auto") == "auto (int8 activations by format)"
+    assert weights_label("q8_0", cuda, "float32") == "q8_0 (torchao)"
+    assert weights_label("float32", cpu, "int8") == "float32"  # dense weights: no 8-bit GEMV
+    monkeypatch.setattr(engine, "weights_label", "q8_0 (torchao)")
+    assert engine_fingerprint(engine)["weights_dtype"] == "q8_0 (torchao)"
 
 
 def test_truncated_snapshot_is_refused(engine, tmp_path):

@@ -78,12 +78,18 @@ def test_a_shape_the_kernel_does_not_take_is_refused():
         quant_kernels.qgemv_x8(LIB, "Q4_K", blocks, 512, xq, 1, torch.empty(1, 8))
 
 
-def test_the_setting_resolves_by_what_the_cpu_runs():
+def test_the_setting_resolves_by_what_the_cpu_runs_and_auto_by_format():
     assert quant_kernels.resolve_decode_activations("float32", LIB) == "float32"
     assert quant_kernels.resolve_decode_activations("int8", LIB) == "int8"
     assert quant_kernels.resolve_decode_activations("auto", None) == "float32"
-    expected = "int8" if LIB.fm_x8_vectorized() else "float32"
+    expected = "auto" if LIB.fm_x8_vectorized() else "float32"
     assert quant_kernels.resolve_decode_activations("auto", LIB) == expected
+    # auto: int8 x where the float path dequantizes each block first, float x where it has a
+    # one-row vector dot
+    assert [f for f in FORMATS if quant_kernels.int8_for("auto", f)] == [
+        f for f in FORMATS if f not in ("Q4_0", "Q4_1", "Q5_0", "Q8_0")]
+    assert all(quant_kernels.int8_for("int8", f) for f in FORMATS)
+    assert not any(quant_kernels.int8_for("float32", f) for f in FORMATS)
     with pytest.raises(ValueError, match="decode_activations='int4'"):
         quant_kernels.resolve_decode_activations("int4", LIB)
 

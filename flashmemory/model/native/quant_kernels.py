@@ -42,6 +42,8 @@ def library() -> ctypes.CDLL | None:
     lib.fm_quantize_x8.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
     lib.fm_qgemv_x8.restype = _INT
     lib.fm_qgemv_x8.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]
+    lib.fm_round_x8.restype = None
+    lib.fm_round_x8.argtypes = [_PTR, _I64, _I64, _I64, _INT]
     lib.fm_x8_block_bytes.restype = _I64
     lib.fm_x8_vectorized.restype = _INT
     lib.fm_rmsnorm.restype = None
@@ -73,18 +75,29 @@ def dequant_rows(lib: ctypes.CDLL, type_name: str, blocks: torch.Tensor, cols: i
         raise ValueError(f"fm_dequant_rows refused a {type_name} weight of {cols} columns (code {rc})")
 
 
+# The formats whose float path has a one-row vector kernel (quant_gemv.c's `one_row`): there
+# int8 x gains 1.1-1.3x and costs fidelity the smallest models feel (SmolLM2 flips its first token
+# on the README's own prompt), so "auto" keeps float x for them. The others (the K-quants, Q5_1,
+# IQ4) dequantize each block before the dot and gain 2.4-7x from int8 x.
+FLOAT_ONE_ROW_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
+
+
 def resolve_decode_activations(requested: str, lib: ctypes.CDLL | None) -> str:
-    """"int8" or "float32": what the decode GEMV does for `requested` (DECODE_ACTIVATIONS).
-    "auto" is int8 where the 8-bit kernel is vectorized for this CPU (AVX2), float32 elsewhere
-    (its portable C is slower than the float path's) and without the native library."""
+    """"int8", "float32" or "auto" (int8 for the formats outside FLOAT_ONE_ROW_FORMATS): what the
+    decode GEMV does for `requested` (DECODE_ACTIVATIONS). "auto" resolves to float32 where the
+    8-bit kernel is not vectorized for this CPU (no AVX2: its portable C is slower than the float
+    path's), and everything to float32 without the native library."""
     if requested not in DECODE_ACTIVATIONS:
         raise ValueError(f"decode_activations={requested!r}: use one of "
                          f"{', '.join(DECODE_ACTIVATIONS)}")
-    if lib is None:
+    if lib is None or requested == "auto" and not lib.fm_x8_vectorized():
         return "float32"
-    if requested == "auto":
-        return "int8" if lib.fm_x8_vectorized() else "float32"
     return requested
+
+
+def int8_for(activations: str, type_name: str) -> bool:
+    """Whether a resolved `activations` mode rounds x to 8 bits for weights of `type_name`."""
+    return activations == "int8" or activations == "auto" and type_name not in FLOAT_ONE_ROW_FORMATS
 
 
 def x8_bytes(lib: ctypes.CDLL, num_x: int, cols: int) -> int:
@@ -95,6 +108,12 @@ def x8_bytes(lib: ctypes.CDLL, num_x: int, cols: int) -> int:
 def quantize_x8(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor) -> None:
     """x [n, cols] float32 (rows contiguous, cols a multiple of 32) into out (uint8, x8_bytes)."""
     lib.fm_quantize_x8(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], out.data_ptr())
+
+
+def round_x8(lib: ctypes.CDLL, x: torch.Tensor) -> None:
+    """x [n, cols] float32 (rows contiguous, cols a multiple of 32) rounded in place to what the
+    8-bit GEMV sees of it: a GEMM over the rounded rows computes what the GEMV computes."""
+    lib.fm_round_x8(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], torch.get_num_threads())
 
 
 def qgemv_x8(lib: ctypes.CDLL, type_name: str, blocks: torch.Tensor, cols: int, xq: torch.Tensor,

@@ -53,8 +53,8 @@ class DecodeEngine:
 
 
 def default_engines(fm_wait_policy: str | None) -> tuple[DecodeEngine, ...]:
-    """Ours as the GGUF is stored (8-bit activation dots where the CPU has AVX2), ours with float32
-    activations (decode_activations="float32"), and llama.cpp (f16 KV) when it is installed."""
+    """Ours as the GGUF is stored (decode_activations="auto": 8-bit activation dots by format where
+    the CPU has AVX2), ours with float32 activations, and llama.cpp (f16 KV) when it is installed."""
     f32act = {"decode_activations": "float32"}
     engines = (DecodeEngine("fm", "flashmemory", {}, fm_wait_policy),
                DecodeEngine("fm-f32act", "flashmemory", f32act, fm_wait_policy))

@@ -61,6 +61,10 @@ ENGINES: tuple[EngineSpec, ...] = (
                "rounded to 8 bits in the decode GEMV (the float32-dequantized model's logits)",
                {"kv_cache": "contiguous", "kv_precision": "fp16", "decode_activations": "float32",
                 **_FM_COMMON}, in_default_set=False),
+    EngineSpec("fm-exact-int8act", FLASHMEMORY, "fm-exact with decode_activations=int8: x rounded "
+               "to 8 bits for every block format (auto rounds it where the float path dequantizes)",
+               {"kv_cache": "contiguous", "kv_precision": "fp16", "decode_activations": "int8",
+                **_FM_COMMON}, in_default_set=False),
     EngineSpec("fm-contiguous", FLASHMEMORY, "FlashMemory, exact contiguous cache in the model dtype (the engine "
                "bench/bench_runner.py compares with transformers)", {"kv_cache": "contiguous", **_FM_COMMON},
                in_default_set=False),

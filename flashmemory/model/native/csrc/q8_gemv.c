@@ -86,23 +86,44 @@ static inline float half_of(const uint8_t *p) {
     return (float)h;
 }
 
+/* One block of 32 values rounded: the scale d and the codes (the one rule both entry points below use). */
+static inline float round_block(const float *v, int8_t *q) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int j = 0; j < 32; j++) {
+        const int c = (int)nearbyintf(v[j] * id);
+        q[j] = (int8_t)(c > 127 ? 127 : c < -127 ? -127 : c);
+    }
+    return amax / 127.0f;
+}
+
 /* xq[r][b] for r < num_x, b < cols / 32 (cols a multiple of 32). */
 void fm_quantize_x8(const float *x, int64_t num_x, int64_t x_stride, int64_t cols, fm_x8 *xq) {
     const int64_t nb = cols / 32;
     for (int64_t r = 0; r < num_x; r++) {
         for (int64_t b = 0; b < nb; b++) {
-            const float *v = x + r * x_stride + b * 32;
             fm_x8 *o = xq + r * nb + b;
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
-            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            o->d = round_block(x + r * x_stride + b * 32, o->q);
             int s0 = 0, s1 = 0;
-            for (int j = 0; j < 32; j++) {
-                const int q = (int)nearbyintf(v[j] * id);
-                o->q[j] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
-            }
             for (int j = 0; j < 16; j++) s0 += o->q[j], s1 += o->q[j + 16];
-            o->d = d, o->qsum[0] = (int16_t)s0, o->qsum[1] = (int16_t)s1;
+            o->qsum[0] = (int16_t)s0, o->qsum[1] = (int16_t)s1;
+        }
+    }
+}
+
+/* x [num_rows][cols] replaced in place by what the 8-bit GEMV sees of it (d * code per value): the prefill
+ * path's GEMM over these rows then computes what the GEMV computes, to float summation order, so a
+ * token's numbers do not depend on whether it came in a chunk of a few rows or of many. */
+void fm_round_x8(float *x, int64_t num_rows, int64_t x_stride, int64_t cols, int num_threads) {
+    const int64_t nb = cols / 32;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows * cols >= 65536)
+    for (int64_t r = 0; r < num_rows; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            float *v = x + r * x_stride + b * 32;
+            int8_t q[32];
+            const float d = round_block(v, q);
+            for (int j = 0; j < 32; j++) v[j] = d * (float)q[j];
         }
     }
 }
