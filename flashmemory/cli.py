@@ -193,7 +193,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    "configurations and runs restore it (checked against the model and tokens) and compute only the "
                    "prompt's last chunk and the decode steps")
     add_needle_flags(p)
-    add_flags(p, EngineConfig, ("model_path", "dtype", "decode_activations", "num_threads"), "engine")
+    add_flags(p, EngineConfig, ("model_path", "dtype", "decode_activations", "num_threads"),
+              "engine")
     p.set_defaults(func=_run_eval)
 
 

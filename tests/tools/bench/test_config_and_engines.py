@@ -43,8 +43,8 @@ def test_quick_mode_fills_only_what_was_not_given():
 def test_engines_are_selected_by_name_or_family_in_registry_order():
     default = [e.name for e in select_engines([])]
     assert default[:4] == ["fm-exact", "fm-int2-disk", "fm-mixed", "fm-mixed-budget"]
-    named_only = {"fm-exact-f32act", "fm-exact-int8act", "fm-contiguous", "fm-mixed-disk", "fm-mixed-prefetch",
-                  "fm-mixed-prefetch-lru"}
+    named_only = {"fm-exact-f32act", "fm-exact-int8act", "fm-contiguous", "fm-mixed-disk",
+                  "fm-mixed-prefetch", "fm-mixed-prefetch-lru"}
     assert not named_only & set(default) and len(default) == len(ENGINES) - len(named_only)
     assert not named_only & {e.name for e in select_engines(["flashmemory"])}  # a family: its default ones
     assert [e.name for e in select_engines(["fm-mixed-prefetch", "fm-mixed-disk"])] == ["fm-mixed-disk",
