@@ -1,6 +1,9 @@
 /* Decode GEMV with 8-bit activations (what llama.cpp does on a CPU): each row of x is quantized once per call
- * into blocks of 32 (a float scale d = max|x| / 127, 32 int8 codes and the codes' sums over each half), then each weight block's integer codes are dotted with x's codes in 8- and 16-bit
- * integer lanes (AVX2 vpmaddubsw), one float multiply-add per 16 or 32 weights instead of one per weight.
+ * into blocks of 32 (a float scale d = max|x| / 127, 32 int8 codes and the codes' sums over each half), then
+ * each weight block's integer codes are dotted with x's codes in 8- and 16-bit integer lanes (AVX2 vpmaddubsw),
+ * one float multiply-add per 16 or 32 weights instead of one per weight. fm_round_x8 rounds prefill rows the
+ * same way in place, so torch's GEMM over them computes what this GEMV computes. Which formats take this path
+ * is the caller's choice (decode_activations; model/native/quant_kernels.py int8_for).
  *
  * Formats and their offsets (the weight block layouts are quant_gemv.c's):
  *   Q4_0 / Q5_0   w = d * (q - 8 | 16)   unsigned codes q
@@ -12,7 +15,7 @@
  *   IQ4_NL/IQ4_XS w = d (* (ls - 32)) * IQ4[q]: the code book looked up into signed bytes (vpshufb)
  * Every offset (-8, m, -dmin * mn, -32) multiplies the sum of x's codes, not of x itself: the error is then
  * sum_c w[c] * (x'[c] - x[c]) for the rounded x', as small as 8-bit x allows (the float sum would leave
- * sum_c d * q[c] * (x'[c] - x[c]), twice that for Q4_K's all-positive codes).
+ * sum_c d * q[c] * (x'[c] - x[c]), 3-4x that for Q4_K's all-positive codes, as measured).
  * The result differs from the float32 dot by x's rounding to 8 bits (about 0.4 % of max|x| per value): not
  * bit-equal to the torch reference, as llama.cpp's is not; quant_gemv.c's float path stays the reference.
  * Row r of y does not depend on how many rows of x one call takes (each row has its own accumulators), so a
