@@ -1,7 +1,7 @@
 """Projections and the embedding whose weights are dense or kept in GGUF block formats (QuantizedTensor).
 
-Decode (a few rows of x) runs the native GEMV over the blocks, by default with x rounded to 8
-bits once per projection and integer dots (decode_activations); prefill dequantizes tiles of rows
+Decode (a few rows of x) runs the native GEMV over the blocks, for the formats decode_activations
+picks with x rounded to 8 bits once per projection and integer dots; prefill dequantizes tiles of rows
 into one float32 buffer per model (DequantWorkspace) and hands each tile to torch's GEMM, so no
 full float32 copy of a weight ever exists. Without the native library the tiles come from the
 torch reference dequantization.
