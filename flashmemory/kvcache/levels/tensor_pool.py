@@ -135,13 +135,12 @@ class TensorPool:
         keys = records[:, offset : offset + size // 2].index_select(0, flat)
         return keys.view(dtype).view(heads, n, tokens, head_dim)
 
-    def key_records(self, layer: int) -> tuple[torch.Tensor, int]:
-        """An FP16 pool's records of one layer in place, [heads, slots, record_bytes] uint8, and the
-        byte offset of each record's keys (block_size rows of head_dim fp16): what a kernel reads
-        the keys from without gathering them."""
+    def key_records(self, layer: int) -> tuple[torch.Tensor, int, torch.dtype]:
+        """A 16-bit pool's records of one layer in place, [heads, slots, record_bytes] uint8, the
+        byte offset of each record's keys (block_size rows of head_dim values) and their dtype:
+        what a kernel reads the keys from without gathering them."""
         offset, _, _, dtype = self.layout["kv"]  # K then V
-        assert dtype == torch.float16, "key_records: an FP16 pool's"
-        return self.storage[layer], offset
+        return self.storage[layer], offset, dtype
 
     def get_block(self, slot: int) -> Parts:
         """All layers of one slot: [num_layers, num_kv_heads, ...] (views)."""

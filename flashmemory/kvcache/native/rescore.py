@@ -22,17 +22,19 @@ class NativeRescore:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
 
-    def scores(self, q: torch.Tensor, records: torch.Tensor, key_offset: int, block_tokens: int,
+    def scores(self, q: torch.Tensor, records: torch.Tensor, key_offset: int,
+               key_dtype: torch.dtype, block_tokens: int,
                slots: torch.Tensor) -> torch.Tensor | None:
         """[num_kv_heads, c] float32: rescore_scores of the candidates, or None (use torch).
 
         q: [num_heads, head_dim] (one decode token); records: one layer's records
         [num_kv_heads, slots, record_bytes] uint8 on the CPU, each holding block_tokens fp16 key
-        rows at key_offset; slots: [num_kv_heads, c] the candidates' slots.
+        rows at key_offset; slots: [num_kv_heads, c] the candidates' slots. Only float16 keys.
         """
         heads, c = slots.shape
         num_heads, head_dim = q.shape
-        if (records.device.type != "cpu" or records.dtype != torch.uint8 or records.dim() != 3
+        if (key_dtype != torch.float16 or records.device.type != "cpu"
+                or records.dtype != torch.uint8 or records.dim() != 3
                 or records.stride(2) != 1 or records.stride(1) != records.shape[2]
                 or records.shape[0] != heads or head_dim % 8 or head_dim > MAX_HEAD_DIM
                 or num_heads % heads or num_heads // heads > MAX_GROUP

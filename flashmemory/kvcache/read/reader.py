@@ -56,8 +56,8 @@ class SelectionKernel(Protocol):
 class RescoreKernel(Protocol):
     """The two-pass read's key scores in one call (e.g. the native kernel); None where it cannot."""
 
-    def scores(self, q: torch.Tensor, records: torch.Tensor, key_offset: int, block_tokens: int,
-               slots: torch.Tensor) -> torch.Tensor | None:
+    def scores(self, q: torch.Tensor, records: torch.Tensor, key_offset: int, key_dtype: torch.dtype,
+               block_tokens: int, slots: torch.Tensor) -> torch.Tensor | None:
         """rescore_scores of the keys of `slots` [num_kv_heads, c], read in place in `records`."""
 
 
@@ -217,8 +217,9 @@ class BlockReader:
         slots = plan.slot_tensor[candidates.to(pool.device)]
         scores = None
         if self.rescore_kernel is not None and pool.device.type == "cpu":
-            records, key_offset = pool.key_records(layer)
-            scores = self.rescore_kernel.scores(q, records, key_offset, pool.block_size, slots)
+            records, key_offset, key_dtype = pool.key_records(layer)
+            scores = self.rescore_kernel.scores(q, records, key_offset, key_dtype, pool.block_size,
+                                                slots)
         if scores is None:
             # [heads, c, bs, head_dim]
             keys = pool.get_layer_keys_per_head(slots, layer).to(q.device)

@@ -39,6 +39,8 @@ def test_the_kernel_scores_what_the_torch_path_scores(heads, group, block, dim):
     kernel = native.native_rescore(torch.device("cpu"))
     assert kernel is not None
     got = kernel.scores(q, *pool.key_records(2), block, slots)
+    records, offset, _ = pool.key_records(2)
+    assert kernel.scores(q, records, offset, torch.bfloat16, block, slots) is None  # fp16 keys only
     assert got is not None and got.shape == (heads, 7)
     expected = rescore_scores(q, pool.get_layer_keys_per_head(slots, 2))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
