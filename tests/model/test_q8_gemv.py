@@ -98,7 +98,8 @@ def test_the_setting_resolves_by_what_the_cpu_runs_and_auto_by_format():
 def portable() -> ctypes.CDLL:
     source = Path(quant_kernels.__file__).with_name("csrc") / "q8_gemv.c"
     flags = (*BASE_FLAGS, "-fopenmp", "-mno-avx2", "-mno-fma")
-    lib = build_library("flashmemory_q8_portable", [source], flags, "the 8-bit GEMV (portable)")
+    lib = build_library("flashmemory_q8_portable", [source], flags, "the 8-bit GEMV (portable)",
+                        quant_kernels.HEADERS)
     if lib is None:
         pytest.skip("the portable build failed")
     lib.fm_quantize_x8.argtypes = LIB.fm_quantize_x8.argtypes

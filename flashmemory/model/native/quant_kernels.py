@@ -16,6 +16,7 @@ from flashmemory.settings import setting_of
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("quant_gemv.c", "q8_gemv.c", "step_ops.c"))
+HEADERS = (Path(__file__).with_name("csrc") / "block_formats.h",)  # in the build's cache key
 # -fopenmp: the output rows are split over torch's OpenMP threads (the same libgomp, loaded by torch first).
 FLAGS = (*BASE_FLAGS, "-fopenmp")
 MAX_X_ROWS = 8  # FM_MAX_X: rows of x one GEMV call takes
@@ -31,7 +32,8 @@ _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 @cache
 def library() -> ctypes.CDLL | None:
-    lib = build_library("flashmemory_model", SOURCES, FLAGS, "quantized weights and the fused step operations")
+    lib = build_library("flashmemory_model", SOURCES, FLAGS, "quantized weights and the fused step operations",
+                        HEADERS)
     if lib is None:
         return None
     lib.fm_qgemv.restype = _INT

@@ -25,46 +25,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "block_formats.h"
+
 #define FM_MAX_X 8
 
-enum { X8_Q4_0 = 2, X8_Q4_1 = 3, X8_Q5_0 = 6, X8_Q5_1 = 7, X8_Q8_0 = 8, X8_Q2_K = 10, X8_Q3_K = 11,
-       X8_Q4_K = 12, X8_Q5_K = 13, X8_Q6_K = 14, X8_IQ4_NL = 20, X8_IQ4_XS = 23 };
-
-/* bytes per block of a format with an 8-bit path, 0 for the others */
-static int block_bytes_of(int type) {
-    switch (type) {
-    case X8_Q4_0: return 18;
-    case X8_Q4_1: return 20;
-    case X8_Q5_0: return 22;
-    case X8_Q5_1: return 24;
-    case X8_Q8_0: return 34;
-    case X8_Q2_K: return 84;
-    case X8_Q3_K: return 110;
-    case X8_Q4_K: return 144;
-    case X8_Q5_K: return 176;
-    case X8_Q6_K: return 210;
-    case X8_IQ4_NL: return 18;
-    case X8_IQ4_XS: return 136;
-    default: return 0;
-    }
-}
-
-/* Q3_K's 16 6-bit scales (stored + 32) from their 12 packed bytes: low nibbles of bytes 0..7, high bits in 8..11 */
-static inline void q3k_scales(const uint8_t *packed, int8_t *sc) {
-    for (int k = 0; k < 16; k++) {
-        const int low = k < 8 ? packed[k] & 0x0F : packed[k - 8] >> 4;
-        const int high = (packed[8 + k % 4] >> (2 * (k / 4))) & 3;
-        sc[k] = (int8_t)(low | (high << 4));
-    }
-}
-
-static const int8_t IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
-static inline int iq4xs_ls(const uint8_t *b, int j) {
-    uint16_t high;
-    memcpy(&high, b + 2, 2);
-    return (((b[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4)) - 32;
-}
 
 typedef struct {
     float d;          /* x ~ d * q */
@@ -81,12 +45,6 @@ int fm_x8_vectorized(void) {
 #else
     return 0;
 #endif
-}
-
-static inline float half_of(const uint8_t *p) {
-    _Float16 h;
-    memcpy(&h, p, 2);
-    return (float)h;
 }
 
 /* One block of 32 values rounded: the scale d and the codes (the one rule both entry points below use). */
@@ -128,16 +86,6 @@ void fm_round_x8(float *x, int64_t num_rows, int64_t x_stride, int64_t cols, int
             const float d = round_block(v, q);
             for (int j = 0; j < 32; j++) v[j] = d * (float)q[j];
         }
-    }
-}
-
-static inline void q4k_sm(int j, const uint8_t *s, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
     }
 }
 
@@ -193,19 +141,19 @@ static inline codes32 fifth_bits(const uint8_t *qh_bytes) {
 static inline __attribute__((always_inline)) void block32_x8(const int type, const uint8_t *w, int64_t b,
                                                              const fm_x8 *x, int64_t x_blocks, int num_x,
                                                              __m256 *acc, float *bias) {
-    const float d = half_of(w);
+    const float d = half_to_float(w);
     float m = 0.0f;
     codes32 c;
-    if (type == X8_Q4_0) c = nibbles32(w + 2);
-    else if (type == X8_Q4_1) c = nibbles32(w + 4), m = half_of(w + 2);
-    else if (type == X8_Q5_0) c = _mm256_or_si256(nibbles32(w + 6), fifth_bits(w + 2));
-    else if (type == X8_Q5_1) c = _mm256_or_si256(nibbles32(w + 8), fifth_bits(w + 4)), m = half_of(w + 2);
-    else if (type == X8_IQ4_NL) c = iq4_values(w + 2);
+    if (type == FM_Q4_0) c = nibbles32(w + 2);
+    else if (type == FM_Q4_1) c = nibbles32(w + 4), m = half_to_float(w + 2);
+    else if (type == FM_Q5_0) c = _mm256_or_si256(nibbles32(w + 6), fifth_bits(w + 2));
+    else if (type == FM_Q5_1) c = _mm256_or_si256(nibbles32(w + 8), fifth_bits(w + 4)), m = half_to_float(w + 2);
+    else if (type == FM_IQ4_NL) c = iq4_values(w + 2);
     else c = _mm256_loadu_si256((const __m256i *)(w + 2));
-    const float off = type == X8_Q4_0 ? -8.0f * d : type == X8_Q5_0 ? -16.0f * d : m;
+    const float off = type == FM_Q4_0 ? -8.0f * d : type == FM_Q5_0 ? -16.0f * d : m;
     for (int r = 0; r < num_x; r++) {
         const fm_x8 *xb = x + r * x_blocks + b;
-        const int sign = type == X8_Q8_0 || type == X8_IQ4_NL;
+        const int sign = type == FM_Q8_0 || type == FM_IQ4_NL;
         const __m256 s = sign ? dot_s8(c, xb->q) : dot_u8(c, xb->q);
         acc[2 * r + (b & 1)] = _mm256_fmadd_ps(s, _mm256_set1_ps(d * xb->d), acc[2 * r + (b & 1)]);
         if (!sign) bias[r] += off * xb->d * (float)(xb->qsum[0] + xb->qsum[1]);
@@ -224,18 +172,18 @@ static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64
     float bias[FM_MAX_X];
     for (int r = 0; r < num_x; r++) acc[2 * r] = acc[2 * r + 1] = _mm256_setzero_ps(), bias[r] = 0.0f;
     switch (type) {
-    case X8_Q4_0: row32_x8(X8_Q4_0, 18, w, nb, x, x_blocks, num_x, acc, bias); break;
-    case X8_Q4_1: row32_x8(X8_Q4_1, 20, w, nb, x, x_blocks, num_x, acc, bias); break;
-    case X8_Q5_0: row32_x8(X8_Q5_0, 22, w, nb, x, x_blocks, num_x, acc, bias); break;
-    case X8_Q5_1: row32_x8(X8_Q5_1, 24, w, nb, x, x_blocks, num_x, acc, bias); break;
-    case X8_Q8_0: row32_x8(X8_Q8_0, 34, w, nb, x, x_blocks, num_x, acc, bias); break;
-    case X8_IQ4_NL: row32_x8(X8_IQ4_NL, 18, w, nb, x, x_blocks, num_x, acc, bias); break;
-    case X8_IQ4_XS:
+    case FM_Q4_0: row32_x8(FM_Q4_0, 18, w, nb, x, x_blocks, num_x, acc, bias); break;
+    case FM_Q4_1: row32_x8(FM_Q4_1, 20, w, nb, x, x_blocks, num_x, acc, bias); break;
+    case FM_Q5_0: row32_x8(FM_Q5_0, 22, w, nb, x, x_blocks, num_x, acc, bias); break;
+    case FM_Q5_1: row32_x8(FM_Q5_1, 24, w, nb, x, x_blocks, num_x, acc, bias); break;
+    case FM_Q8_0: row32_x8(FM_Q8_0, 34, w, nb, x, x_blocks, num_x, acc, bias); break;
+    case FM_IQ4_NL: row32_x8(FM_IQ4_NL, 18, w, nb, x, x_blocks, num_x, acc, bias); break;
+    case FM_IQ4_XS:
         for (int64_t b = 0; b < nb; b++, w += 136) {
-            const float d = half_of(w);
+            const float d = half_to_float(w);
             for (int j = 0; j < 8; j++) {
                 const codes32 c = iq4_values(w + 8 + 16 * j);
-                const float dl = d * (float)iq4xs_ls(w, j);
+                const float dl = d * (float)iq4xs_scale(w, j);
                 for (int r = 0; r < num_x; r++) {
                     const fm_x8 *xb = x + r * x_blocks + b * 8 + j;
                     __m256 *a = acc + 2 * r + (j & 1);
@@ -244,10 +192,10 @@ static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64
             }
         }
         break;
-    case X8_Q4_K: case X8_Q5_K: {
-        const int five = type == X8_Q5_K, bytes = five ? 176 : 144;
+    case FM_Q4_K: case FM_Q5_K: {
+        const int five = type == FM_Q5_K, bytes = five ? 176 : 144;
         for (int64_t b = 0; b < nb; b++, w += bytes) {
-            const float d = half_of(w), dmin = half_of(w + 2);
+            const float d = half_to_float(w), dmin = half_to_float(w + 2);
             const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
             const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
             for (int pair = 0; pair < 4; pair++) {
@@ -260,8 +208,8 @@ static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64
                     hi = _mm256_or_si256(hi, _mm256_slli_epi16(h1, 4));
                 }
                 int sc0, mn0, sc1, mn1;
-                q4k_sm(2 * pair, w + 4, &sc0, &mn0);
-                q4k_sm(2 * pair + 1, w + 4, &sc1, &mn1);
+                q4k_scale_min(2 * pair, w + 4, &sc0, &mn0);
+                q4k_scale_min(2 * pair + 1, w + 4, &sc1, &mn1);
                 const float ds0 = d * (float)sc0, ds1 = d * (float)sc1;
                 const float dm0 = dmin * (float)mn0, dm1 = dmin * (float)mn1;
                 for (int r = 0; r < num_x; r++) {
@@ -276,12 +224,12 @@ static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64
         }
         break;
     }
-    case X8_Q2_K: case X8_Q3_K: {
+    case FM_Q2_K: case FM_Q3_K: {
         /* 2-bit codes (Q3_K: a third bit from hmask, minus 4), a scale per 16 weights (Q2_K: and a min) */
-        const int three = type == X8_Q3_K, bytes = three ? 110 : 84;
+        const int three = type == FM_Q3_K, bytes = three ? 110 : 84;
         const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
         for (int64_t b = 0; b < nb; b++, w += bytes) {
-            const float d = half_of(w + (three ? 108 : 80)), dmin = three ? 0.0f : half_of(w + 82);
+            const float d = half_to_float(w + (three ? 108 : 80)), dmin = three ? 0.0f : half_to_float(w + 82);
             int8_t sc3[16];
             if (three) q3k_scales(w + 96, sc3);
             const __m256i hm = three ? _mm256_loadu_si256((const __m256i *)w) : _mm256_setzero_si256();
@@ -312,9 +260,9 @@ static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64
         }
         break;
     }
-    case X8_Q6_K:
+    case FM_Q6_K:
         for (int64_t b = 0; b < nb; b++, w += 210) {
-            const float d = half_of(w + 208);
+            const float d = half_to_float(w + 208);
             const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
             for (int h = 0; h < 2; h++) {
                 const uint8_t *ql = w + 64 * h, *qhp = w + 128 + 32 * h;
@@ -351,8 +299,8 @@ static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64
  * the factor of sum(code * xq) * dx (scale) and of sum(xq) * dx (offset). */
 static int unpack_codes(int type, const uint8_t *w, int *codes, float *scale, float *offset) {
     switch (type) {
-    case X8_Q4_0: case X8_Q4_1: case X8_Q5_0: case X8_Q5_1: {
-        const int five = type == X8_Q5_0 || type == X8_Q5_1, with_min = type == X8_Q4_1 || type == X8_Q5_1;
+    case FM_Q4_0: case FM_Q4_1: case FM_Q5_0: case FM_Q5_1: {
+        const int five = type == FM_Q5_0 || type == FM_Q5_1, with_min = type == FM_Q4_1 || type == FM_Q5_1;
         const uint8_t *q = w + (with_min ? 4 : 2) + (five ? 4 : 0);
         uint32_t qh = 0;
         if (five) memcpy(&qh, w + (with_min ? 4 : 2), 4);
@@ -360,37 +308,37 @@ static int unpack_codes(int type, const uint8_t *w, int *codes, float *scale, fl
             codes[j] = (q[j] & 0x0F) | (int)(((qh >> j) & 1) << 4);
             codes[j + 16] = (q[j] >> 4) | (int)(((qh >> (j + 16)) & 1) << 4);
         }
-        const float d = half_of(w);
+        const float d = half_to_float(w);
         scale[0] = scale[1] = d;
-        offset[0] = offset[1] = with_min ? half_of(w + 2) : (five ? -16.0f : -8.0f) * d;
+        offset[0] = offset[1] = with_min ? half_to_float(w + 2) : (five ? -16.0f : -8.0f) * d;
         return 32;
     }
-    case X8_Q8_0: case X8_IQ4_NL:
-        for (int j = 0; j < 16 && type == X8_IQ4_NL; j++) codes[j] = IQ4[w[2 + j] & 0x0F], codes[j + 16] = IQ4[w[2 + j] >> 4];
-        for (int j = 0; j < 32 && type == X8_Q8_0; j++) codes[j] = (int8_t)w[2 + j];
-        scale[0] = scale[1] = half_of(w);
+    case FM_Q8_0: case FM_IQ4_NL:
+        for (int j = 0; j < 16 && type == FM_IQ4_NL; j++) codes[j] = IQ4[w[2 + j] & 0x0F], codes[j + 16] = IQ4[w[2 + j] >> 4];
+        for (int j = 0; j < 32 && type == FM_Q8_0; j++) codes[j] = (int8_t)w[2 + j];
+        scale[0] = scale[1] = half_to_float(w);
         offset[0] = offset[1] = 0.0f;
         return 32;
-    case X8_IQ4_XS:
+    case FM_IQ4_XS:
         for (int k = 0; k < 8; k++) {
             const uint8_t *q = w + 8 + 16 * k;
             for (int j = 0; j < 16; j++) codes[32 * k + j] = IQ4[q[j] & 0x0F], codes[32 * k + j + 16] = IQ4[q[j] >> 4];
-            scale[2 * k] = scale[2 * k + 1] = half_of(w) * (float)iq4xs_ls(w, k);
+            scale[2 * k] = scale[2 * k + 1] = half_to_float(w) * (float)iq4xs_scale(w, k);
             offset[2 * k] = offset[2 * k + 1] = 0.0f;
         }
         return 256;
-    case X8_Q2_K: {
-        const float d = half_of(w + 80), dmin = half_of(w + 82);
+    case FM_Q2_K: {
+        const float d = half_to_float(w + 80), dmin = half_to_float(w + 82);
         for (int h = 0; h < 2; h++)
             for (int j = 0; j < 4; j++)
                 for (int l = 0; l < 32; l++) codes[128 * h + 32 * j + l] = (w[16 + 32 * h + l] >> (2 * j)) & 3;
         for (int k = 0; k < 16; k++) scale[k] = d * (float)(w[k] & 0x0F), offset[k] = -dmin * (float)(w[k] >> 4);
         return 256;
     }
-    case X8_Q3_K: {
+    case FM_Q3_K: {
         int8_t sc[16];
         q3k_scales(w + 96, sc);
-        const float d = half_of(w + 108);
+        const float d = half_to_float(w + 108);
         for (int h = 0; h < 2; h++)
             for (int j = 0; j < 4; j++)
                 for (int l = 0; l < 32; l++)
@@ -398,14 +346,14 @@ static int unpack_codes(int type, const uint8_t *w, int *codes, float *scale, fl
         for (int k = 0; k < 16; k++) scale[k] = d * (float)(sc[k] - 32), offset[k] = -4.0f * scale[k];
         return 256;
     }
-    case X8_Q4_K: case X8_Q5_K: {
-        const float d = half_of(w), dmin = half_of(w + 2);
-        const int five = type == X8_Q5_K;
+    case FM_Q4_K: case FM_Q5_K: {
+        const float d = half_to_float(w), dmin = half_to_float(w + 2);
+        const int five = type == FM_Q5_K;
         const uint8_t *q = w + (five ? 48 : 16), *qh = w + 16;
         for (int pair = 0; pair < 4; pair++) {
             for (int half = 0; half < 2; half++) {
                 int sc, mn;
-                q4k_sm(2 * pair + half, w + 4, &sc, &mn);
+                q4k_scale_min(2 * pair + half, w + 4, &sc, &mn);
                 for (int l = 0; l < 32; l++) {
                     int c = half ? q[32 * pair + l] >> 4 : q[32 * pair + l] & 0x0F;
                     if (five) c |= ((qh[l] >> (2 * pair + half)) & 1) << 4;
@@ -418,8 +366,8 @@ static int unpack_codes(int type, const uint8_t *w, int *codes, float *scale, fl
         }
         return 256;
     }
-    case X8_Q6_K: {
-        const float d = half_of(w + 208);
+    case FM_Q6_K: {
+        const float d = half_to_float(w + 208);
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
             const int8_t *sc = (const int8_t *)(w + 192 + 8 * h);
@@ -438,7 +386,7 @@ static int unpack_codes(int type, const uint8_t *w, int *codes, float *scale, fl
 }
 
 static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64_t x_blocks, int num_x, float *out) {
-    const int bytes = block_bytes_of(type);
+    const int bytes = fm_block_bytes(type);
     for (int r = 0; r < num_x; r++) out[r] = 0.0f;
     int codes[256];
     float scale[16], offset[16];
@@ -463,10 +411,9 @@ static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64
  * Returns 0, -1 for a format without an 8-bit path, -2 for a shape the kernel does not take. */
 int fm_qgemv_x8(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t row_bytes, const fm_x8 *x,
                 int64_t num_x, float *y, int64_t y_stride, int num_threads) {
-    const int block_bytes = block_bytes_of(type);
+    const int block_bytes = fm_block_bytes(type);
     if (block_bytes == 0) return -1;
-    const int qk = type == X8_Q4_0 || type == X8_Q4_1 || type == X8_Q5_0 || type == X8_Q5_1 || type == X8_Q8_0
-                   || type == X8_IQ4_NL ? 32 : 256;
+    const int qk = fm_block_weights(type);
     if (num_x < 1 || num_x > FM_MAX_X || cols % qk != 0 || row_bytes != cols / qk * block_bytes) return -2;
     const int64_t nb = cols / qk, x_blocks = cols / 32;
 #pragma omp parallel for schedule(dynamic, 16) num_threads(num_threads) if (rows * cols >= 65536)

@@ -36,22 +36,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "block_formats.h"
+
 #define FM_MAX_X 8 /* rows of x per GEMV call */
 #define FM_QK_MAX 256
 
-enum { FM_Q4_0 = 2, FM_Q4_1 = 3, FM_Q5_0 = 6, FM_Q5_1 = 7, FM_Q8_0 = 8, FM_Q2_K = 10, FM_Q3_K = 11,
-       FM_Q4_K = 12, FM_Q5_K = 13,
-       FM_Q6_K = 14, FM_IQ4_NL = 20, FM_IQ4_XS = 23 };
-
-static const int8_t IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
 typedef float fm_v8 __attribute__((vector_size(32)));
-
-static inline float half_to_float(const uint8_t *p) {
-    _Float16 h;
-    memcpy(&h, p, 2);
-    return (float)h;
-}
 
 static inline fm_v8 load8(const float *p) {
     fm_v8 r;
@@ -108,50 +98,28 @@ static void deq_q8_0(const uint8_t *b, float *y) {
     for (int j = 0; j < 32; j++) y[j] = d * (float)(int8_t)b[2 + j];
 }
 
-/* Q4_K's 6-bit scale and min of sub-block j (0..7) from its 12 packed bytes. */
-static inline void q4k_scale_min(int j, const uint8_t *s, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
-static void deq_q4_k(const uint8_t *b, float *y) {
+/* Q4_K, and Q5_K when qh (its fifth bits) is given: codes in q, 64 weights (two sub-blocks) per 32 bytes */
+static inline void deq_k4(const uint8_t *b, const uint8_t *qh, const uint8_t *q, float *y) {
     const float d = half_to_float(b), dmin = half_to_float(b + 2);
-    const uint8_t *scales = b + 4, *q = b + 16;
     for (int pair = 0; pair < 4; pair++) {
         int sc0, m0, sc1, m1;
-        q4k_scale_min(2 * pair, scales, &sc0, &m0);
-        q4k_scale_min(2 * pair + 1, scales, &sc1, &m1);
+        q4k_scale_min(2 * pair, b + 4, &sc0, &m0);
+        q4k_scale_min(2 * pair + 1, b + 4, &sc1, &m1);
         const float d0 = d * (float)sc0, min0 = dmin * (float)m0, d1 = d * (float)sc1, min1 = dmin * (float)m1;
         for (int l = 0; l < 32; l++) {
-            y[l] = d0 * (float)(q[l] & 0x0F) - min0;
-            y[l + 32] = d1 * (float)(q[l] >> 4) - min1;
+            const int hi0 = qh ? ((qh[l] >> (2 * pair)) & 1) << 4 : 0;
+            const int hi1 = qh ? ((qh[l] >> (2 * pair + 1)) & 1) << 4 : 0;
+            y[l] = d0 * (float)((q[l] & 0x0F) | hi0) - min0;
+            y[l + 32] = d1 * (float)((q[l] >> 4) | hi1) - min1;
         }
         y += 64;
         q += 32;
     }
 }
 
-static void deq_q5_k(const uint8_t *b, float *y) {
-    const float d = half_to_float(b), dmin = half_to_float(b + 2);
-    const uint8_t *scales = b + 4, *qh = b + 16, *q = b + 48;
-    for (int pair = 0; pair < 4; pair++) {
-        int sc0, m0, sc1, m1;
-        q4k_scale_min(2 * pair, scales, &sc0, &m0);
-        q4k_scale_min(2 * pair + 1, scales, &sc1, &m1);
-        const float d0 = d * (float)sc0, min0 = dmin * (float)m0, d1 = d * (float)sc1, min1 = dmin * (float)m1;
-        for (int l = 0; l < 32; l++) {
-            y[l] = d0 * (float)((q[l] & 0x0F) | (((qh[l] >> (2 * pair)) & 1) << 4)) - min0;
-            y[l + 32] = d1 * (float)((q[l] >> 4) | (((qh[l] >> (2 * pair + 1)) & 1) << 4)) - min1;
-        }
-        y += 64;
-        q += 32;
-    }
-}
+static void deq_q4_k(const uint8_t *b, float *y) { deq_k4(b, NULL, b + 16, y); }
+
+static void deq_q5_k(const uint8_t *b, float *y) { deq_k4(b, b + 16, b + 48, y); }
 
 static void deq_q6_k(const uint8_t *b, float *y) {
     const uint8_t *ql = b, *qh = b + 128;
@@ -195,10 +163,7 @@ static void deq_q2_k(const uint8_t *b, float *y) {
 
 static void deq_q3_k(const uint8_t *b, float *y) {
     int8_t sc[16];
-    for (int k = 0; k < 16; k++) { /* low nibbles of bytes 0..7 (then their high nibbles), 2 high bits in 8..11 */
-        const int low = k < 8 ? b[96 + k] & 0x0F : b[96 + k - 8] >> 4;
-        sc[k] = (int8_t)(low | (((b[104 + k % 4] >> (2 * (k / 4))) & 3) << 4));
-    }
+    q3k_scales(b + 96, sc);
     const float d = half_to_float(b + 108);
     const uint8_t *hm = b;
     for (int h = 0; h < 2; h++) {
@@ -223,12 +188,6 @@ static void deq_iq4_nl(const uint8_t *b, float *y) {
     }
 }
 
-static inline int iq4xs_scale(const uint8_t *b, int j) {
-    uint16_t high;
-    memcpy(&high, b + 2, 2);
-    return (((b[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4)) - 32;
-}
-
 static void deq_iq4_xs(const uint8_t *b, float *y) {
     const float d = half_to_float(b);
     for (int j = 0; j < 8; j++, y += 32) {
@@ -245,20 +204,22 @@ typedef void (*deq_fn)(const uint8_t *, float *);
 
 static int format_of(int type, deq_fn *fn, int *qk, int *block_bytes) {
     switch (type) {
-    case FM_Q4_0: *fn = deq_q4_0, *qk = 32, *block_bytes = 18; return 0;
-    case FM_Q4_1: *fn = deq_q4_1, *qk = 32, *block_bytes = 20; return 0;
-    case FM_Q5_0: *fn = deq_q5_0, *qk = 32, *block_bytes = 22; return 0;
-    case FM_Q5_1: *fn = deq_q5_1, *qk = 32, *block_bytes = 24; return 0;
-    case FM_Q8_0: *fn = deq_q8_0, *qk = 32, *block_bytes = 34; return 0;
-    case FM_Q2_K: *fn = deq_q2_k, *qk = 256, *block_bytes = 84; return 0;
-    case FM_Q3_K: *fn = deq_q3_k, *qk = 256, *block_bytes = 110; return 0;
-    case FM_Q4_K: *fn = deq_q4_k, *qk = 256, *block_bytes = 144; return 0;
-    case FM_Q5_K: *fn = deq_q5_k, *qk = 256, *block_bytes = 176; return 0;
-    case FM_Q6_K: *fn = deq_q6_k, *qk = 256, *block_bytes = 210; return 0;
-    case FM_IQ4_NL: *fn = deq_iq4_nl, *qk = 32, *block_bytes = 18; return 0;
-    case FM_IQ4_XS: *fn = deq_iq4_xs, *qk = 256, *block_bytes = 136; return 0;
+    case FM_Q4_0: *fn = deq_q4_0; break;
+    case FM_Q4_1: *fn = deq_q4_1; break;
+    case FM_Q5_0: *fn = deq_q5_0; break;
+    case FM_Q5_1: *fn = deq_q5_1; break;
+    case FM_Q8_0: *fn = deq_q8_0; break;
+    case FM_Q2_K: *fn = deq_q2_k; break;
+    case FM_Q3_K: *fn = deq_q3_k; break;
+    case FM_Q4_K: *fn = deq_q4_k; break;
+    case FM_Q5_K: *fn = deq_q5_k; break;
+    case FM_Q6_K: *fn = deq_q6_k; break;
+    case FM_IQ4_NL: *fn = deq_iq4_nl; break;
+    case FM_IQ4_XS: *fn = deq_iq4_xs; break;
     default: return -1;
     }
+    *qk = fm_block_weights(type), *block_bytes = fm_block_bytes(type);
+    return 0;
 }
 
 /* ---- one-row dot products without a float copy of the block (the decode hot path) ----
