@@ -40,12 +40,12 @@ class RunSettings:
         "blocks; on CUDA into torchao int8 per-row / int4 group-32 weight-only, pip install torchao==0.18.0)",
         choices=("auto", "float32", "bfloat16", "q8_0", "q4_0"))
     decode_activations: str = setting(
-        "auto", "how the CPU's decode GEMV over block-format weights multiplies x: int8 (x "
-        "rounded to 8 bits per 32 values, integer dot products, as llama.cpp does: ~2x faster, "
+        "auto", "how the CPU's GEMV over block-format weights multiplies x: int8 (x rounded to 8 "
+        "bits per 32 values, integer dot products, as llama.cpp does: 1.1-7x faster by format, "
         "logits off by ~0.5 % of a dot's size), float32 (x as it is: the float32-dequantized "
-        "model's logits to summation error), auto (int8 where the CPU has AVX2, float32 "
-        "elsewhere). The decoder layers' projections, also in prefill chunks of at most 8 "
-        "tokens; the LM head keeps float32 x",
+        "model's logits to summation error), auto (int8 for the K-quants, Q5_1 and IQ4, whose "
+        "float path dequantizes each block; float32 for Q4_0/Q4_1/Q5_0/Q8_0 and without AVX2). "
+        "The decoder layers' projections, prefill rows rounded alike; the LM head keeps float32 x",
         choices=("auto", "int8", "float32"))
     max_seq_len: int | None = setting(
         None, "longest sequence (prompt + generated); None = the model's limit", unit="tokens", ge=2)
