@@ -10,6 +10,7 @@ import ctypes
 import torch
 
 from flashmemory.kvcache.native.loader import library
+from flashmemory.kvcache.native.selection import as_cpu
 
 MAX_HEAD_DIM = 256  # FM_RESCORE_MAX_DIM
 MAX_GROUP = 32  # FM_RESCORE_MAX_GROUP
@@ -41,8 +42,7 @@ class NativeRescore:
                 or block_tokens > MAX_BLOCK_TOKENS or c == 0
                 or key_offset + block_tokens * head_dim * 2 > records.shape[2]):
             return None
-        qf = q.detach().to(device="cpu", dtype=torch.float32).contiguous()
-        rows = slots.to(device="cpu", dtype=torch.int64).contiguous()
+        qf, rows = as_cpu(q, torch.float32), as_cpu(slots, torch.int64)
         out = torch.empty((heads, c), dtype=torch.float32)
         rc = self.lib.fm_rescore_blocks(
             qf.data_ptr(), heads, num_heads // heads, head_dim, records.data_ptr(),

@@ -33,12 +33,12 @@ class NativeSelection:
                 or num_heads % heads or num_heads // heads > MAX_GROUP or not 1 <= budget <= n
                 or width // (2 * head_dim) > MAX_DIGEST_BOXES):
             return None
-        q = _cpu(q, torch.float32)
+        q = as_cpu(q, torch.float32)
         chosen = torch.empty((heads, budget), dtype=torch.int64)
         hint_ptr, num_hints, index_ptr = None, 0, None
         if hints is not None:
             assert indices is not None
-            hints, indices = _cpu(hints, torch.int64), _cpu(indices, torch.int64)
+            hints, indices = as_cpu(hints, torch.int64), as_cpu(indices, torch.int64)
             hint_ptr, num_hints, index_ptr = hints.data_ptr(), hints.shape[1], indices.data_ptr()
         if scores is not None:
             assert scores.shape == (heads, n) and scores.dtype == torch.float32 and scores.is_contiguous()
@@ -49,7 +49,7 @@ class NativeSelection:
         return chosen if rc == 0 else None
 
 
-def _cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t as a contiguous CPU tensor of `dtype`; itself when it already is (no op dispatched: this runs per layer)."""
     if t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous():
         return t

@@ -228,8 +228,7 @@ class BlockReader:
         if hints is not None:
             logical = _index_tensor(plan).to(candidates.device)[candidates]  # [heads, c]
             keep = (logical[:, :, None] == hints.to(candidates.device)[:, None, :]).any(dim=-1)
-        chosen = top_rescored(scores.to(candidates.device), budget, keep)
-        return candidates.gather(1, chosen.to(candidates.device))
+        return candidates.gather(1, top_rescored(scores.to(candidates.device), budget, keep))
 
     def prompt_hints(self, plan: LevelPlan, q: torch.Tensor, layer: int) -> torch.Tensor | None:
         """At a prefill chunk, the old blocks its last queries point to: [num_kv_heads, k] logical indices, k from
