@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from flashmemory.errors import ConfigError
+from flashmemory.guardrail_settings import GuardrailSettings
 from flashmemory.kv_settings import KVSettings
-from flashmemory.seed_names import unknown_settings_message
+from flashmemory.seed_names import drop_always_true, unknown_settings_message
 from flashmemory.settings import check_settings, setting
 from flashmemory.spec_settings import SpeculativeSettings
 
@@ -65,9 +66,10 @@ class RunSettings:
 
 
 # NOTE: the bases in this order keep the fields in their order of old (dataclasses collect them
-# from the last base up): RunSettings' first, then KVSettings', then SpeculativeSettings'.
+# from the last base up): RunSettings' first, then KVSettings', SpeculativeSettings',
+# GuardrailSettings'.
 @dataclass
-class EngineConfig(SpeculativeSettings, KVSettings, RunSettings):
+class EngineConfig(GuardrailSettings, SpeculativeSettings, KVSettings, RunSettings):
     """Settings of one FlashMemoryEngine; each field's Setting holds its help, bounds and flag."""
 
     def __post_init__(self) -> None:
@@ -112,6 +114,7 @@ class EngineConfig(SpeculativeSettings, KVSettings, RunSettings):
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
         """Build from keyword arguments; an unknown one raises ConfigError listing the valid names."""
+        kwargs = drop_always_true(kwargs)
         valid = [f.name for f in fields(cls)]
         unknown = sorted(set(kwargs) - set(valid))
         if unknown:

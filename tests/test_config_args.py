@@ -47,6 +47,9 @@ ENGINE_SAMPLES = {
     "scheduling_policy": "fcfs", "budget_controller": True, "budget_controller_min_fraction": 0.75,
     "speculative_method": "draft", "draft_model_path": "d.gguf", "num_speculative_tokens": 3,
     "speculative_adaptive": False, "prompt_lookup_max": 5, "prompt_lookup_min": 3,
+    "guardrail_path": "toxic-comment-classifier",
+    "guardrail_precision": "float32", "guardrail_timeout_ms": 80.0, "guardrail_threshold": 0.7,
+    "guardrail_chunk_tokens": 8, "guardrail_on_error": "block", "guardrail_threads": 2,
 }
 SERVER_SAMPLES = {
     "host": "localhost", "port": 9001, "api_key": "k", "allow_unauthenticated": True, "enable_streaming": False,

@@ -16,10 +16,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "flashmemory"
 RANKS = {
     "flashmemory.errors": 0, "flashmemory.version": 0, "flashmemory.settings": 0, "flashmemory.config": 0,
     "flashmemory.kv_settings": 0, "flashmemory.spec_settings": 0,
+    "flashmemory.guardrail_settings": 0,
     "flashmemory.seed_names": 0, "flashmemory.native_build": 0, "flashmemory.rss": 0,
     "flashmemory.snapshot_format": 0,
     "flashmemory.config_args": 0,
-    "flashmemory.kvcache": 1, "flashmemory.model": 1,
+    "flashmemory.kvcache": 1, "flashmemory.model": 1, "flashmemory.guardrail": 1,
     "flashmemory.engine": 2,
     "flashmemory.serve": 3, "flashmemory.tools": 3, "flashmemory.pipeline": 3,
     "flashmemory.cli": 4, "flashmemory.__main__": 4, "flashmemory": 4,

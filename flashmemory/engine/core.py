@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from flashmemory.engine.observer import NullObserver, StepObserver
+from flashmemory.engine.output_gate import GatedSink, OutputGate
 from flashmemory.engine.request import SequenceOutput, SequenceRequest, Sink
 from flashmemory.engine.sampling import Sampler
 from flashmemory.engine.scheduler import Scheduler, StepPlan
@@ -26,6 +27,7 @@ from flashmemory.engine.speculative.proposal import Proposal
 from flashmemory.engine.speculative.speculator import Speculator
 from flashmemory.engine.stop import StopStringMatcher
 from flashmemory.errors import CapacityError, ColdBlockError, ColdZoneWriteError, DeviceLostError, FlashMemoryError
+from flashmemory.guardrail.pool import GuardrailPool
 from flashmemory.kvcache.interface import ForwardBatch, KVCache
 from flashmemory.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -74,7 +76,9 @@ class EngineCore:
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, tokenizer: Tokenizer, max_seq_len: int,
                  device: torch.device, max_num_batched_tokens: int, observer: StepObserver | None = None,
-                 policy: SchedulingPolicy = FCFS, speculator: Speculator | None = None) -> None:
+                 policy: SchedulingPolicy = FCFS, speculator: Speculator | None = None,
+                 guardrail: GuardrailPool | None = None, guardrail_chunk_tokens: int = 16,
+                 guardrail_on_error: str = "pass") -> None:
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer
@@ -83,6 +87,9 @@ class EngineCore:
         self.observer: StepObserver = observer or NullObserver()
         self.speculator = speculator  # None: one token per sequence and step
         self.scheduler = Scheduler(cache.kv_capacity(), max_num_batched_tokens, policy)
+        # With a guardrail, generated text waits for its checks (engine/output_gate.py).
+        self.gate = None if guardrail is None else OutputGate(
+            guardrail, guardrail_chunk_tokens, guardrail_on_error, self.observer)
         self._live: dict[int, _Live] = {}
         self._refused: list[Delivery] = []  # sequences that can never fit, reported by the next step
         self._seq_ids = itertools.count()
@@ -103,6 +110,8 @@ class EngineCore:
             self._refused.append((sink, SequenceOutput(request.index, "", 0, None, error=reason, exception=error)))
             self.observer.on_finished("error", None)
             return seq_id
+        if self.gate is not None:
+            sink = self.gate.wrap(seq_id, sink)
         self._live[seq_id] = _Live(seq, request, Sampler(request.params, self.device),
                                    IncrementalDetokenizer(self.tokenizer, request.prompt_ids),
                                    StopStringMatcher(request.params.stop), sink)
@@ -112,6 +121,8 @@ class EngineCore:
     def abort(self, seq_id: int) -> None:
         """Stop a sequence and free its KV on every level; no more outputs are sent for it."""
         live = self._live.pop(seq_id, None)
+        if self.gate is not None:
+            self.gate.forget(seq_id)
         seq = self.scheduler.abort(seq_id)
         if seq is None:
             return  # already finished
@@ -120,7 +131,8 @@ class EngineCore:
             self.observer.on_finished("abort", None)
 
     def has_work(self) -> bool:
-        return bool(self._refused) or self.scheduler.has_work()
+        return (bool(self._refused) or self.scheduler.has_work()
+                or (self.gate is not None and self.gate.pending))
 
     @property
     def num_live(self) -> int:
@@ -132,7 +144,22 @@ class EngineCore:
     # ---- one step ---------------------------------------------------------------------------------------------
 
     def step(self) -> list[Delivery]:
-        """Schedule, run one batched forward, sample; returns the outputs to deliver, in order."""
+        """Schedule, run one batched forward, sample; returns the outputs to deliver, in order
+        (with a guardrail, those its checks have cleared)."""
+        out = self._step()
+        if self.gate is None:
+            return out
+        if not out and not self.scheduler.has_work():
+            self.gate.wait()  # nothing to run: give the checks in flight a moment
+        out, ended = self.gate.route(out)
+        for seq_id in ended:  # flagged while generating: stop it and free its KV
+            seq = self.scheduler.abort(seq_id)
+            self._live.pop(seq_id, None)
+            if seq is not None:
+                self._release(seq)
+        return out
+
+    def _step(self) -> list[Delivery]:
         out, self._refused = self._refused, []
         plan = self.scheduler.schedule()
         out += self._apply(plan)
@@ -382,7 +409,10 @@ class EngineCore:
             self.cache.free_sequence(seq.seq_id)
             self._forget_draft(seq.seq_id)
             del self._live[seq.seq_id]
-            self.observer.on_finished(finish, now - live.request.arrival_s)
+            if isinstance(live.sink, GatedSink):  # told when the guardrail releases it
+                live.sink.finish_report = (finish, now - live.request.arrival_s)
+            else:
+                self.observer.on_finished(finish, now - live.request.arrival_s)
         return live.sink, output
 
     def _fail(self, live: _Live, message: str, exception: BaseException | None = None) -> Delivery:

@@ -12,9 +12,13 @@ import torch
 
 from flashmemory.config import EngineConfig
 from flashmemory.engine.budget_controller import BudgetController
-from flashmemory.engine.cache_factory import (build_budget_controller, build_kv_cache,
-                                              check_budgets, device_plan_for,
-                                              kv_fingerprint_source)
+from flashmemory.engine.cache_factory import (
+    build_budget_controller,
+    build_kv_cache,
+    check_budgets,
+    device_plan_for,
+    kv_fingerprint_source,
+)
 from flashmemory.engine.core import Delivery, EngineCore
 from flashmemory.engine.forward import forward_chunks
 from flashmemory.engine.observer import StepObserver
@@ -22,13 +26,14 @@ from flashmemory.engine.options import RequestOptions, is_batch, request_options
 from flashmemory.engine.request import SequenceOutput, SequenceRequest
 from flashmemory.engine.scheduling_policy import POLICIES, SchedulingPolicy
 from flashmemory.engine.scoring import ScoreResult, score_tokens
-from flashmemory.engine.stats import GenerationStats, peak_memory
-from flashmemory.errors import (ConfigError, EngineBusyError, FlashMemoryError, MemoryBudgetError,
-                                PromptTooLongError)
 from flashmemory.engine.sizing import DevicePlan
 from flashmemory.engine.speculative.budget_split import BudgetSplit, split_budgets
 from flashmemory.engine.speculative.build import Target, build_speculator
 from flashmemory.engine.speculative.speculator import Speculator
+from flashmemory.engine.stats import GenerationStats, peak_memory
+from flashmemory.errors import ConfigError, EngineBusyError, FlashMemoryError, MemoryBudgetError, PromptTooLongError
+from flashmemory.guardrail.loader import build_guardrail
+from flashmemory.guardrail.pool import GuardrailPool
 from flashmemory.kvcache.interface import KVCache
 from flashmemory.kvcache.kv_stats import KVStats
 from flashmemory.model.loader import build_model, open_checkpoint, weights_bytes, weights_label
@@ -67,6 +72,8 @@ class FlashMemoryEngine:
         self.budget_split: BudgetSplit | None = self._split(self.config)
         # Before loading weights: a budget that cannot work fails fast.
         check_budgets(self.config)
+        # The output classifier (CPU only, no device bytes); a bad guardrail_path fails here too.
+        self.guardrail: GuardrailPool | None = build_guardrail(self.config)
         # Weights as stored (block formats at their size): estimated before loading, then measured.
         self.weights_bytes = weights_bytes(checkpoint, self.config.weights_dtype, self.dtype, self.device)
         self.device_plan: DevicePlan | None = device_plan_for(
@@ -138,7 +145,7 @@ class FlashMemoryEngine:
             policy = POLICIES[self.config.scheduling_policy]
             self._core = EngineCore(self.model, self.cache, self.tokenizer, self.max_seq_len, self.device,
                                     self.config.prefill_chunk_tokens, policy=policy,
-                                    speculator=self.speculator)
+                                    speculator=self.speculator, **self._gate_args())
         return self._core
 
     def configure_core(self, max_num_batched_tokens: int | None = None, observer: StepObserver | None = None,
@@ -148,8 +155,13 @@ class FlashMemoryEngine:
             raise ConfigError("the engine core has live sequences; finish or abort them before reconfiguring it")
         self._core = EngineCore(self.model, self.cache, self.tokenizer, self.max_seq_len, self.device,
                                 max_num_batched_tokens or self.config.prefill_chunk_tokens, observer,
-                                policy or POLICIES[self.config.scheduling_policy], self.speculator)
+                                policy or POLICIES[self.config.scheduling_policy], self.speculator,
+                                **self._gate_args())
         return self._core
+
+    def _gate_args(self) -> dict[str, Any]:
+        return {"guardrail": self.guardrail, "guardrail_chunk_tokens": self.config.guardrail_chunk_tokens,
+                "guardrail_on_error": self.config.guardrail_on_error}
 
     def step_core(self, core: EngineCore) -> list[Delivery]:
         """One step of `core`; with a budget controller, timed for it (it may then resize L0 between steps)."""
@@ -310,6 +322,8 @@ class FlashMemoryEngine:
             out.update(self.speculator.stats.as_dict())
         if self.budget_controller is not None:
             out.update(self.budget_controller.stats())
+        if self.guardrail is not None:
+            out.update(self.guardrail.stats.as_dict())
         return out
 
     def health(self) -> dict[str, Any]:
@@ -325,6 +339,8 @@ class FlashMemoryEngine:
         self.cache.close()
         if self.speculator is not None:
             self.speculator.close()
+        if self.guardrail is not None:
+            self.guardrail.close()
 
     def check_prompt(self, prompt_ids: list[int], max_new_tokens: int = 0) -> None:
         """Raise what generate() would for this prompt: ConfigError for no tokens or an id
@@ -446,6 +462,7 @@ class FlashMemoryEngine:
             stats.decode_seconds = out.produced_s - stats.first_token_at_s
         if out.finish_reason is not None:
             stats.finish_reason = out.finish_reason
+            stats.stop_reason = out.stop_reason or ""
             if out.kv_stats:
                 self.last_kv_stats = out.kv_stats
                 self.last_kv_snapshot = out.kv_snapshot

@@ -14,13 +14,17 @@ class StepObserver(Protocol):
         """A token was sampled `since_s` seconds after the request arrived (first) or after its previous token."""
 
     def on_finished(self, reason: str, e2e_s: float | None) -> None:
-        """A sequence ended: "stop", "length", "abort" or "error" (e2e_s: arrival to now, for stop/length)."""
+        """A sequence ended: "stop", "length", "abort", "error" or "content_filter" (e2e_s:
+        arrival to now, for stop/length)."""
 
     def on_preempted(self, kind: str, n: int) -> None:
         """`n` sequences were preempted: kind "demote" or "recompute"."""
 
     def on_fault(self, action: str) -> None:
         """A sequence hit a failure while being served: action "recompute" (retried) or "fail" (ended)."""
+
+    def on_guardrail(self, result: str, latency_s: float) -> None:
+        """A guardrail check was decided: "pass", "flagged", "timeout" or "error"."""
 
 
 class NullObserver:
@@ -39,4 +43,7 @@ class NullObserver:
         pass
 
     def on_fault(self, action: str) -> None:
+        pass
+
+    def on_guardrail(self, result: str, latency_s: float) -> None:
         pass

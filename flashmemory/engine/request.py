@@ -29,7 +29,8 @@ class SequenceOutput:
     index: int  # the choice index within its request
     text: str  # newly released text (may be empty)
     num_new_tokens: int
-    finish_reason: str | None = None  # "stop" | "length" when the sequence is done
+    finish_reason: str | None = None  # "stop" | "length" | "content_filter" when it is done
+    stop_reason: str | None = None  # content_filter: what the guardrail flagged (label, score)
     error: str | None = None  # the sequence failed; the message is safe to show a client
     exception: BaseException | None = None  # the typed error behind `error`, for callers that raise it
     token_id: int | None = None  # the sampled token, None for an end-of-sequence token that ends it

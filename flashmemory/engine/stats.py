@@ -20,7 +20,8 @@ class GenerationStats:
     decode_seconds: float = 0.0  # first token -> last token
     peak_memory_bytes: int = 0  # peak RSS of the process (CPU) or peak allocated device memory (CUDA)
     memory_kind: str = "RSS"
-    finish_reason: str = ""  # "stop" (EOS or stop string) | "length"
+    finish_reason: str = ""  # "stop" (EOS or stop string) | "length" | "content_filter"
+    stop_reason: str = ""  # content_filter: what the guardrail flagged ("guardrail: toxic (0.93)")
     first_token_at_s: float = 0.0  # time.perf_counter() when the first token was sampled (0 = not yet)
 
     @property

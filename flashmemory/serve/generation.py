@@ -13,6 +13,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from flashmemory.engine.request import SequenceOutput, SequenceRequest
+from flashmemory.engine.sampling import choice_seed
 from flashmemory.serve.api_errors import APIError
 from flashmemory.serve.protocol import (
     ChatCompletionRequest,
@@ -22,8 +24,6 @@ from flashmemory.serve.protocol import (
     sampling_params,
 )
 from flashmemory.serve.state import ServerState
-from flashmemory.engine.request import SequenceOutput, SequenceRequest
-from flashmemory.engine.sampling import choice_seed
 
 _POLL_S = 1.0  # how often a waiting request checks that the engine is still alive
 DONE = "data: [DONE]\n\n"
@@ -212,13 +212,14 @@ async def _respond(state: ServerState, request: Request, req: CompletionRequest 
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                           "X-Request-Id": meta["id"]})
     watcher = asyncio.create_task(_watch_disconnect(request, stream))
-    texts, reasons, num_completion_tokens = [""] * len(seqs), [None] * len(seqs), 0
+    texts, num_completion_tokens = [""] * len(seqs), 0
+    ends: list[dict[str, Any]] = [{"finish_reason": None} for _ in seqs]
     try:
         async for out in stream.outputs():
             texts[out.index] += out.text
             num_completion_tokens += out.num_new_tokens
             if out.finish_reason is not None:
-                reasons[out.index] = out.finish_reason
+                ends[out.index] = _finish(out)
     except ClientGone:
         return Response(status_code=499)  # nobody reads it; the status shows in the access log
     finally:
@@ -226,14 +227,21 @@ async def _respond(state: ServerState, request: Request, req: CompletionRequest 
         stream.close()
     if kind == "chat":
         choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                    "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+                    **end} for i, (t, end) in enumerate(zip(texts, ends))]
         body = {**meta, "object": "chat.completion", "choices": choices}
     else:
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = [{"index": i, "text": t, "logprobs": None, **end}
+                   for i, (t, end) in enumerate(zip(texts, ends))]
         body = {**meta, "object": "text_completion", "choices": choices}
     body["usage"] = _usage(num_prompt_tokens, num_completion_tokens)
     return JSONResponse(body, headers={"X-Request-Id": meta["id"]})
+
+
+def _finish(out: SequenceOutput) -> dict[str, Any]:
+    """A choice's finish_reason, and vLLM's stop_reason where a guardrail says what it flagged."""
+    if out.stop_reason is None:
+        return {"finish_reason": out.finish_reason}
+    return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
 
 
 async def _stream_events(request: Request, stream: RequestStream, req: CompletionRequest | ChatCompletionRequest,
@@ -263,10 +271,9 @@ async def _stream_events(request: Request, stream: RequestStream, req: Completio
                     continue
                 if kind == "chat":
                     delta = {"content": out.text} if out.text else {}
-                    choice = {"index": out.index, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}
+                    choice = {"index": out.index, "delta": delta, "logprobs": None, **_finish(out)}
                 else:
-                    choice = {"index": out.index, "text": out.text, "logprobs": None,
-                              "finish_reason": out.finish_reason}
+                    choice = {"index": out.index, "text": out.text, "logprobs": None, **_finish(out)}
                 yield chunk([choice])
             if include_usage:
                 yield _sse({**meta, "object": obj, "choices": [],

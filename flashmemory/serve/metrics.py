@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from flashmemory.engine.speculative.speculator import SpecStats
+from flashmemory.guardrail.classifier import RESULTS
 from flashmemory.kvcache.kv_stats import KVStats, MediumCounters
 
 PREFIX = "flashmemory:"
@@ -26,6 +27,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                80.0)
+# A guardrail check takes about a millisecond (the BiLSTM) to a timeout of tens of ms.
+GUARDRAIL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)
 
@@ -263,8 +266,22 @@ class ServerMetrics:
             self._faults.labels(model_name, action)
         for kind in ("demote", "recompute"):
             self._preemptions.labels(model_name, kind)
-        for reason in ("stop", "length", "abort", "error"):
+        for reason in ("stop", "length", "abort", "error", "content_filter"):
             self._success.labels(model_name, reason)
+        self._guardrail_checks = Counter(
+            PREFIX + "guardrail_checks", "Guardrail checks of generated text by result: pass, "
+            "flagged (the output ended with content_filter), timeout (skipped, not retried), error",
+            m + ["result"], registry=r)
+        for result in RESULTS:
+            self._guardrail_checks.labels(model_name, result)
+        self.guardrail_timeouts = Counter(
+            PREFIX + "guardrail_timeouts", "Guardrail checks skipped for want of an answer within "
+            "guardrail_timeout_ms (also counted as result=timeout above)", m,
+            registry=r).labels(model_name)
+        self.guardrail_latency = Histogram(
+            PREFIX + "guardrail_check_seconds", "Submitted to answered, per answered guardrail "
+            "check",
+            m, buckets=GUARDRAIL_BUCKETS, registry=r).labels(model_name)
         self._kv = _KVCollector(model_name)
         r.register(self._kv)
         ProcessCollector(registry=r)
@@ -277,6 +294,13 @@ class ServerMetrics:
 
     def count_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
+
+    def count_guardrail(self, result: str, latency_s: float) -> None:
+        self._guardrail_checks.labels(self.model_name, result).inc()
+        if result == "timeout":
+            self.guardrail_timeouts.inc()
+        else:
+            self.guardrail_latency.observe(latency_s)
 
     def publish_kv(self, stats: KVStats, spec: SpecStats | None = None) -> None:
         self._kv.snapshot = stats

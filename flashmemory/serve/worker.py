@@ -57,6 +57,9 @@ class _MetricsObserver:
     def on_fault(self, action: str) -> None:
         self.metrics.count_fault(action)
 
+    def on_guardrail(self, result: str, latency_s: float) -> None:
+        self.metrics.count_guardrail(result, latency_s)
+
 
 class EngineWorker:
     """Owns the engine thread, the engine and its core; the inbox and the outputs waiting to be sent."""
