@@ -43,7 +43,8 @@ def quality(path: str, rows: list[dict], threshold: float, rounds: int) -> None:
                 t0 = time.perf_counter()
                 classifiers[p].scores(r["text"])
                 latency[p].append(time.perf_counter() - t0)
-    print("| precision | accuracy | precision | recall | weights bytes | check p50 ms | check p99 ms |")
+    print("| precision | accuracy | precision | recall | weights bytes | check p50 ms "
+          "| check p99 ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for p in PRECISIONS:
         flagged = [s >= threshold for s in scores[p]]
@@ -52,14 +53,18 @@ def quality(path: str, rows: list[dict], threshold: float, rounds: int) -> None:
         right = sum(f == t for f, t in zip(flagged, truth))
         print(f"| {p} | {right}/{len(rows)} ({right / len(rows):.1%}) | {tp}/{sum(flagged)} | "
               f"{tp}/{sum(truth)} | {classifiers[p].weights_bytes():,} | "
-              f"{1e3 * statistics.median(latency[p]):.2f} | {1e3 * quantile(latency[p], 0.99):.2f} |")
+              f"{1e3 * statistics.median(latency[p]):.2f} | "
+              f"{1e3 * quantile(latency[p], 0.99):.2f} |")
     diff = [abs(a - b) for a, b in zip(scores["int8"], scores["float32"])]
-    changed = sum((a >= threshold) != (b >= threshold) for a, b in zip(scores["int8"], scores["float32"]))
-    print(f"\nint8 vs float32: top score |diff| max {max(diff):.4f}, mean {statistics.mean(diff):.4f}; "
+    pairs = list(zip(scores["int8"], scores["float32"]))
+    changed = sum((a >= threshold) != (b >= threshold) for a, b in pairs)
+    print(f"\nint8 vs float32: top score |diff| max {max(diff):.4f}, "
+          f"mean {statistics.mean(diff):.4f}; "
           f"{changed} of {len(rows)} verdicts differ")
     for r, s in zip(rows, scores["int8"]):
         if (s >= threshold) != r["toxic"]:
-            print(f"  wrong (int8 {s:.2f}, labelled {'toxic' if r['toxic'] else 'clean'}): {r['text']}")
+            label = "toxic" if r["toxic"] else "clean"
+            print(f"  wrong (int8 {s:.2f}, labelled {label}): {r['text']}")
 
 
 def engine_overhead(path: str, rounds: int, tokens: int) -> None:

@@ -14,18 +14,19 @@ import torch
 from flashmemory.config import EngineConfig, RunSettings
 from flashmemory.engine.sizing import plan_device, tiered_config
 from flashmemory.errors import ConfigError
+from flashmemory.guardrail_settings import GuardrailSettings
 from flashmemory.kv_settings import MIB, KVSettings
-from flashmemory.spec_settings import SpeculativeSettings
 from flashmemory.kvcache.config import TieredCacheConfig
 from flashmemory.serve.config import ServerConfig
 from flashmemory.settings import default_of
+from flashmemory.spec_settings import SpeculativeSettings
 from flashmemory.tools.mats import coherence, temporal
 from tests.engine.test_sizing import QWEN, WEIGHTS
 from tests.kvcache.synthetic import TINY_SETTINGS, tiny_config
 
 PACKAGE = Path(__file__).resolve().parents[1] / "flashmemory"
-CONFIG_CLASSES = (RunSettings, KVSettings, SpeculativeSettings, EngineConfig, TieredCacheConfig,
-                  ServerConfig)
+CONFIG_CLASSES = (RunSettings, KVSettings, SpeculativeSettings, GuardrailSettings, EngineConfig,
+                  TieredCacheConfig, ServerConfig)
 # NOTE: the one name in two classes, on purpose: the user's spelling ("auto", "cuda:1") and
 # the device start-up resolved it to (what the cache allocates on). The types differ.
 RESOLVED = {"device": {RunSettings: "str", TieredCacheConfig: "torch.device"}}
@@ -52,7 +53,9 @@ def test_no_kv_field_is_declared_in_two_dataclasses():
     kv = [f.name for f in dataclasses.fields(KVSettings)]
     engine = [f.name for f in dataclasses.fields(EngineConfig)]
     speculative = [f.name for f in dataclasses.fields(SpeculativeSettings)]
-    assert engine == list(own_fields(RunSettings)) + kv + speculative  # the order of old
+    guardrail = [f.name for f in dataclasses.fields(GuardrailSettings)]
+    # the order of old
+    assert engine == list(own_fields(RunSettings)) + kv + speculative + guardrail
     assert own_fields(EngineConfig) == {}  # everything it has, it includes
     assert [f.name for f in dataclasses.fields(TieredCacheConfig)][:len(kv)] == kv
 

@@ -40,7 +40,8 @@ def test_a_guardrail_that_passes_everything_changes_no_text(tiny_llama, monkeypa
         assert engine.generate(PROMPTS, **OPTS) == plain[0]
         assert engine.generate(PROMPTS[0], **OPTS) == plain[0][0]
         assert engine.last_stats.finish_reason == "length"
-        assert engine.stats()["guardrail_pass"] == len(classifier.texts) >= 10  # 40 tokens, 4 a check
+        # 40 tokens, 4 a check
+        assert engine.stats()["guardrail_pass"] == len(classifier.texts) >= 10
     finally:
         engine.close()
 
@@ -60,7 +61,8 @@ def test_a_flagged_output_ends_with_content_filter_frees_its_kv_and_spares_the_o
         text = engine.generate(PROMPTS[0], **OPTS)
         assert text == texts[0]
         stats = engine.last_stats
-        assert (stats.finish_reason, stats.stop_reason) == ("content_filter", "guardrail: bad (1.00)")
+        assert stats.finish_reason == "content_filter"
+        assert stats.stop_reason == "guardrail: bad (1.00)"
         assert engine.core.num_live == 0 and engine.cache.stats()["num_sequences"] == 0
     finally:
         engine.close()

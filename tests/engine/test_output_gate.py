@@ -1,5 +1,5 @@
-"""OutputGate: text leaves only after a check clears it, in order, a chunk at a time; a flag ends the
-output with content_filter; a timeout or (by setting) an error releases it."""
+"""OutputGate: text leaves only after a check clears it, in order, a chunk at a time; a flag
+ends the output with content_filter; a timeout or (by setting) an error releases it."""
 
 from __future__ import annotations
 

@@ -18,10 +18,10 @@ def write_classifier(folder, problem_type=None, labels=("neutral", "toxic")):
     folder.mkdir()
     (folder / "vocab.txt").write_text("\n".join(WORDS) + "\n")
     BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
-    config = BertConfig(vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64, num_labels=len(labels),
-                        id2label=dict(enumerate(labels)), label2id={k: i for i, k in enumerate(labels)},
-                        problem_type=problem_type)
+    config = BertConfig(vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=64,
+                        num_labels=len(labels), id2label=dict(enumerate(labels)),
+                        label2id={k: i for i, k in enumerate(labels)}, problem_type=problem_type)
     torch.manual_seed(0)
     BertForSequenceClassification(config).eval().save_pretrained(folder)
     return folder
@@ -39,7 +39,8 @@ def test_a_softmax_classifier_scores_its_harmful_classes_only(tmp_path, precisio
 def test_int8_rounds_the_linear_layers_and_keeps_the_scores_close(tmp_path):
     folder = write_classifier(tmp_path / "clf", "multi_label_classification", ("toxic", "insult"))
     q, f = load_guardrail(str(folder), "int8"), load_guardrail(str(folder), "float32")
-    assert "DynamicQuantizedLinear" in repr(q.model) and "DynamicQuantizedLinear" not in repr(f.model)
+    assert "DynamicQuantizedLinear" in repr(q.model)
+    assert "DynamicQuantizedLinear" not in repr(f.model)
     a, b = q.scores("you are a bad text"), f.scores("you are a bad text")
     assert list(a) == ["toxic", "insult"]  # multi-label: every label, sigmoid each
     assert max(abs(a[k] - b[k]) for k in a) < 0.05

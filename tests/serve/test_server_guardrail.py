@@ -18,7 +18,8 @@ BODY = {"prompt": "one two three four", "max_tokens": 32, "ignore_eos": True, "t
 
 @pytest.fixture(scope="module")
 def plain_text(tiny_llama):
-    with live_server(dict(model_path=str(tiny_llama), **TINY_KV), served_model_name="tiny") as server:
+    kwargs = dict(model_path=str(tiny_llama), **TINY_KV)
+    with live_server(kwargs, served_model_name="tiny") as server:
         with httpx.Client(base_url=server.url, timeout=60) as http:
             return http.post("/v1/completions", json=BODY).json()["choices"][0]["text"]
 
@@ -38,7 +39,8 @@ def test_a_flagged_choice_ends_with_content_filter_streamed_and_not(tiny_llama, 
                 assert choice["finish_reason"] == "content_filter"
                 assert choice["stop_reason"] == "guardrail: bad (1.00)"
                 assert plain_text.startswith(choice["text"]) and word not in choice["text"]
-                lines = http.post("/v1/completions", json={**BODY, "stream": True}).text.splitlines()
+                streaming = http.post("/v1/completions", json={**BODY, "stream": True})
+                lines = streaming.text.splitlines()
                 events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
                 streamed = "".join(e["choices"][0]["text"] for e in events)
                 assert streamed == choice["text"]
