@@ -70,6 +70,11 @@ class KVSettings:
     cpu_memory_gb: float | None = setting(
         None, "L1 host pool capacity; None = 4 GiB, or half the available RAM when that is less "
         "(a value you set above the available RAM is refused at start-up)", unit="GiB", gt=0)
+    lock_host_memory: bool = setting(
+        False, "lock the host KV level (L1) in RAM with mlock, so it is never swapped out (the "
+        "seeds' --disable-swap): the whole pool is committed at start-up, which refuses a pool "
+        "over RLIMIT_MEMLOCK with both numbers and the fix (ulimit -l, a lower cpu_memory_gb)",
+        flags=("--lock-host-memory", "--disable-swap"))
     cold_zone_enabled: bool = setting(
         True, "an L2 level on disk for KV older than the warm tokens; off (--no-cold-zone) keeps "
         "all older KV in L1 (and says so when L1 is full)", flags=("--no-cold-zone",))

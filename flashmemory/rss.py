@@ -3,7 +3,6 @@ the engine reports it as its peak RSS)."""
 
 from __future__ import annotations
 
-import resource
 import sys
 from pathlib import Path
 
@@ -21,6 +20,10 @@ def peak_rss_bytes() -> int:
                 return int(line.split()[1]) * 1024  # kB
     except OSError:
         pass
+    try:
+        import resource  # Unix only: imported here so the package imports on Windows
+    except ImportError:
+        return 0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # kilobytes on Linux, bytes on macOS
 

@@ -3,7 +3,8 @@ here: what replaces each, or why it does not apply, so an unknown keyword fails 
 
 Every keyword of the seeds' FlashMemoryEngine examples that is a setting works as written (model_path,
 max_gpu_memory_mb, kv_precision="mixed", active_window, semantic_truncate_threshold, cpu_memory_gb,
-prefetch_strategy="adaptive", rope_sharding=True, cold_zone_enabled=False, guardrail_path, guardrail_offload=True, guardrail_timeout_ms);
+prefetch_strategy="adaptive", rope_sharding=True, cold_zone_enabled=False, guardrail_path,
+guardrail_offload=True, guardrail_timeout_ms);
 docs/seed-names.md has the table.
 """
 
@@ -17,8 +18,8 @@ from flashmemory.errors import ConfigError
 # name -> (the value that is always so here, why): accepted as written with that value (the seeds'
 # code runs unchanged), refused with the reason for any other.
 ALWAYS: dict[str, tuple[Any, str]] = {
-    "guardrail_offload": (True, "the guardrail (guardrail_path) always runs on CPU threads beside the "
-                                "engine, INT8 by default, and holds no device memory"),
+    "guardrail_offload": (True, "the guardrail (guardrail_path) always runs on CPU threads "
+                                "beside the engine, INT8 by default, and holds no device memory"),
 }
 
 # name -> what to use instead (or why there is nothing to set); a sentence that completes "<name>: ..."
@@ -27,8 +28,9 @@ REPLACED: dict[str, str] = {
     "image_downscale_ratio": "image input is not supported (the engine runs text-only Llama-family models); "
                              "pin a span of the prompt with pinned_spans=[(start, end)] to keep it on the device",
     # seed 000 §4.1 and §3.2 prose, transformers and vLLM habits.
-    "disable_swap": "there is no swap switch: keep cpu_memory_gb below the available RAM (start-up refuses more) "
-                    "and see `flashmemory doctor` for the machine's swap",
+    "disable_swap": "use lock_host_memory=True (flag --disable-swap or --lock-host-memory): the "
+                    "host KV level is locked in RAM with mlock; `flashmemory doctor` reports swap "
+                    "and RLIMIT_MEMLOCK",
     "batch_size": "there is no fixed batch: use max_num_seqs (sequences alive at once; admission follows the KV "
                   "memory each level has left)",
     "tensor_parallel": "one device per engine: multi-GPU tensor parallelism is not supported",

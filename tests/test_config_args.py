@@ -38,6 +38,7 @@ ENGINE_SAMPLES = {
     "selection_min_tokens": 64,
     "selection_box_tokens": 8,
     "selection_rescore_factor": 2.0, "selection_prompt_tokens": 32, "cpu_memory_gb": 1.5,
+    "lock_host_memory": True,
     "cold_zone_enabled": False, "cold_zone_dir": "/tmp/x", "cold_zone_gb": 2.5,
     "kv_levels": "device_memory,host_memory,host_memory:64:int4:0", "block_size": 32,
     "prefill_chunk_tokens": 128, "selection": "exact", "max_num_seqs": 3, "record_traces": True,

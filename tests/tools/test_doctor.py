@@ -17,7 +17,8 @@ from flashmemory.tools import disk_probe
 from flashmemory.tools.doctor import checks, run_doctor
 from flashmemory.tools.doctor.checks import STATUSES
 
-NAMES = ["python", "torch", "c_compiler", "native_kernels", "ram", "swap", "numa", "cold_zone_disk", "cold_zone_iops",
+NAMES = ["python", "torch", "c_compiler", "native_kernels", "ram", "swap", "memlock", "numa",
+         "cold_zone_disk", "cold_zone_iops",
          "cuda", "cuda_weights", "pinned_memory", "windows_driver_model", "default_model"]
 
 
@@ -90,6 +91,19 @@ def test_the_windows_driver_model_is_checked_on_windows_only(monkeypatch):
     assert check.status == "warn" and "TCC" in check.fix
     monkeypatch.setattr(checks, "_nvidia_smi", lambda *q: ["NVIDIA RTX A4000, TCC"])
     assert checks.check_driver_model().status == "pass"
+
+
+def test_memlock_fails_only_when_locking_is_asked_and_the_limit_is_under_the_pool(monkeypatch):
+    from flashmemory.kvcache.levels import memory_lock
+
+    monkeypatch.setattr(memory_lock, "memlock_limit_bytes", lambda: 8 * 2**20)
+    monkeypatch.setattr(checks.os, "geteuid", lambda: 1000)
+    asked = checks.check_memlock(EngineConfig(cpu_memory_gb=1.0, lock_host_memory=True))
+    assert asked.status == "fail" and "8.0 MiB is under the 1.0 GiB L1 pool" in asked.summary
+    assert "ulimit -l" in asked.fix
+    assert checks.check_memlock(EngineConfig(cpu_memory_gb=1.0)).status == "pass"
+    small = EngineConfig(cpu_memory_gb=0.005, lock_host_memory=True)
+    assert checks.check_memlock(small).status == "pass"
 
 
 def test_a_check_that_crashes_is_reported_and_the_others_run(monkeypatch):

@@ -30,9 +30,12 @@ def _device_memory(level: Level, codec: Codec, num_slots: int, cfg: TieredCacheC
 
 
 def _host_memory(level: Level, codec: Codec, num_slots: int, cfg: TieredCacheConfig) -> StorageLevel:
-    # Page-locked where CUDA is present, so copies to the device can run asynchronously.
-    return TensorPool(level, codec, num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.block_size, cfg.head_dim,
-                      torch.device("cpu"), pin_memory=cfg.device.type == "cuda")
+    # Page-locked where CUDA is present, so copies to the device can run asynchronously (pinned
+    # memory is locked already); mlocked on a CPU host with lock_host_memory.
+    cuda = cfg.device.type == "cuda"
+    return TensorPool(level, codec, num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.block_size,
+                      cfg.head_dim, torch.device("cpu"), pin_memory=cuda,
+                      lock_memory=cfg.lock_host_memory and not cuda)
 
 
 def _disk_file(level: Level, codec: Codec, num_slots: int, cfg: TieredCacheConfig) -> StorageLevel:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from flashmemory.kvcache.levels import memory_lock
 from flashmemory.kvcache.levels.protocol import Slots
-from flashmemory.kvcache.manager.blocks import Level
+from flashmemory.kvcache.manager.blocks import Level, level_label
 from flashmemory.kvcache.quant import Codec, Parts
 
 
@@ -29,6 +30,7 @@ class TensorPool:
         head_dim: int,
         device: torch.device,
         pin_memory: bool = False,
+        lock_memory: bool = False,
     ) -> None:
         self.level = level
         self.codec = codec
@@ -46,6 +48,12 @@ class TensorPool:
         # the slot's generation is the one the copy was issued under. On the CPU whatever the pool's device.
         self.generation = torch.zeros(num_slots, dtype=torch.int64)
         self.high_water_slots = 0  # slots ever written: the OS commits memory as they are touched
+        # Locked in RAM (lock_host_memory): every page committed now and never swapped out.
+        self.locked_bytes = 0
+        if lock_memory and self.storage.numel():
+            memory_lock.lock(self.storage.data_ptr(), self.storage.numel(),
+                             f"the {level_label(level)} pool")
+            self.locked_bytes = self.storage.numel()
 
     @property
     def capacity_bytes(self) -> int:
@@ -102,11 +110,16 @@ class TensorPool:
         return None
 
     def counters(self) -> dict[str, int]:
-        # Allocated lazily by the OS: the pages touched so far (slots are reused most-recently-freed first).
-        return {"bytes_committed": self.high_water_slots * self.bytes_per_slot}
+        # Allocated lazily by the OS: the pages touched so far (slots are reused most-recently-freed
+        # first); all of it when locked.
+        committed = max(self.high_water_slots * self.bytes_per_slot, self.locked_bytes)
+        return {"bytes_committed": committed}
 
     def close(self) -> None:
-        """Memory is released with the pool."""
+        """Memory is released with the pool (unlocked first, when it was locked)."""
+        if self.locked_bytes:
+            memory_lock.unlock(self.storage.data_ptr(), self.locked_bytes)
+            self.locked_bytes = 0
 
     def get_layer(self, slots: torch.Tensor, layer: int) -> Parts:
         """Encoded parts of one layer for several slots (a long tensor on the pool's device): [heads, len(slots), ...]."""

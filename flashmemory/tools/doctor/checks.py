@@ -209,6 +209,30 @@ def check_swap() -> Check:
                  data=data)
 
 
+def check_memlock(cfg: EngineConfig) -> Check:
+    """RLIMIT_MEMLOCK against the L1 pool that lock_host_memory (--disable-swap) would lock."""
+    from flashmemory.engine.sizing import host_budget_gb
+    from flashmemory.kvcache.levels.memory_lock import FIX, memlock_limit_bytes
+
+    if not hasattr(os, "geteuid"):
+        return Check("memlock", "n/a", "no mlock here (Windows): lock_host_memory is refused")
+    limit = memlock_limit_bytes()
+    l1 = host_budget_gb(cfg).cpu_memory_gb * GIB
+    root = os.geteuid() == 0
+    shown = "unlimited" if limit is None else f"{limit / 2**20:.1f} MiB"
+    data = {"memlock_limit_bytes": limit, "l1_bytes": int(l1), "root": root,
+            "lock_host_memory": cfg.lock_host_memory}
+    if limit is None or root or l1 <= limit:
+        why = " (root: the limit does not apply)" if root and limit is not None else ""
+        return Check("memlock", "pass", f"RLIMIT_MEMLOCK {shown}{why}: lock_host_memory can "
+                     f"lock the {l1 / GIB:.1f} GiB L1 pool", data=data)
+    status = "fail" if cfg.lock_host_memory else "pass"
+    asked = "is set and " if cfg.lock_host_memory else ""
+    return Check("memlock", status, f"RLIMIT_MEMLOCK {shown} is under the {l1 / GIB:.1f} GiB L1 "
+                 f"pool: lock_host_memory {asked}would be refused",
+                 FIX if cfg.lock_host_memory else None, data)
+
+
 def check_numa() -> Check:
     nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))
     if not nodes:
