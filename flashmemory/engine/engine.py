@@ -36,6 +36,7 @@ from flashmemory.guardrail.loader import build_guardrail
 from flashmemory.guardrail.pool import GuardrailPool
 from flashmemory.kvcache.interface import KVCache
 from flashmemory.kvcache.kv_stats import KVStats
+from flashmemory.kvcache.preload import PreloadResult
 from flashmemory.model.loader import build_model, open_checkpoint, weights_bytes, weights_label
 from flashmemory.model.tokenizer import Tokenizer
 
@@ -272,6 +273,19 @@ class FlashMemoryEngine:
 
     def delete_session(self, name: str) -> None:
         self.cache.delete_session(name)
+
+    def preload(self, prompt: Prompt, timeout_s: float | None = None) -> PreloadResult:
+        """Bring the cached KV of `prompt`'s longest cached prefix (text or token ids) up from disk
+        and host memory to where its next request reads it (kvcache/preload.py), before it comes:
+        its time to first token then skips those reads. Stops after `timeout_s` seconds."""
+        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
+        timed_out = (lambda: None) if deadline is None else (
+            lambda: "timeout" if time.perf_counter() >= deadline else None)
+        return self.cache.preload_prefix(self._prompt_ids(prompt), timed_out)
+
+    def preload_session(self, name: str, timeout_s: float | None = None) -> PreloadResult:
+        """preload() of a saved session's tokens (say, after a restart, while its user types)."""
+        return self.preload(self.load_session(name), timeout_s)
 
     def sessions(self) -> list[str]:
         """Names of the saved sessions, sorted (none where the KV cache keeps no sessions)."""

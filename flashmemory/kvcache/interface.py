@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +11,7 @@ import torch
 from flashmemory.errors import KVSnapshotError
 from flashmemory.kvcache.kv_stats import KVStats
 from flashmemory.kvcache.manager.capacity import KVCapacity
+from flashmemory.kvcache.preload import PreloadResult
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,13 @@ class KVCache(ABC):
         """Attach cached KV of the longest known prefix of `token_ids` to a new sequence; the tokens reused (a cache
         without a prefix cache reuses none)."""
         return 0
+
+    def preload_prefix(self, token_ids: list[int],
+                       should_stop: Callable[[], str | None] = lambda: None) -> PreloadResult:
+        """Bring the cached blocks of the longest cached prefix of `token_ids` up to the levels
+        a request reusing them reads (kvcache/preload.py); a cache without a prefix cache has
+        nothing to preload."""
+        return PreloadResult(prompt_tokens=len(token_ids))
 
     def max_decode_rows(self, seq_id: int) -> int:
         """How many new tokens one forward of the sequence may read as decode steps (an `as_decode`

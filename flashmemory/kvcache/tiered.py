@@ -12,7 +12,7 @@ Prefetch, when configured, plugs into the read path as a choice observer and as 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -30,18 +30,19 @@ from flashmemory.kvcache.manager.capacity import KVCapacity
 from flashmemory.kvcache.manager.prefix_cache import PrefixCache, chain_hashes
 from flashmemory.kvcache.native import native_rescore, native_selection, use_native_reads
 from flashmemory.kvcache.placement import Placement
-from flashmemory.kvcache.prefix_store import PrefixStore
-from flashmemory.kvcache.sessions import CacheSessions
-from flashmemory.kvcache.tiered_stats import tiered_stats
 from flashmemory.kvcache.prefetch import build_prefetch
 from flashmemory.kvcache.prefetch.access_trace import TraceRecorder
 from flashmemory.kvcache.prefetch.device_staging import DeviceStaging
 from flashmemory.kvcache.prefetch.prefetcher import Prefetcher
+from flashmemory.kvcache.prefix_store import PrefixStore
+from flashmemory.kvcache.preload import PreloadResult, preload_prefix
 from flashmemory.kvcache.read.choice import ChoiceObserver
 from flashmemory.kvcache.read.reader import BlockReader
 from flashmemory.kvcache.read.selection import key_digest
 from flashmemory.kvcache.recent_rows import RecentRows, row_layout
 from flashmemory.kvcache.sequence_state import SequenceKV
+from flashmemory.kvcache.sessions import CacheSessions
+from flashmemory.kvcache.tiered_stats import tiered_stats
 
 
 class TieredKVCache(KVCache):
@@ -203,6 +204,10 @@ class TieredKVCache(KVCache):
         seq.token_ids = list(token_ids[:n])
         seq.last_block_name = found[-1].block_hash if found else 0
         return n
+
+    def preload_prefix(self, token_ids: list[int],
+                       should_stop: Callable[[], str | None] = lambda: None) -> PreloadResult:
+        return preload_prefix(self, token_ids, should_stop)
 
     def _digest_of(self, block: BlockEntry) -> torch.Tensor:
         """A cached block's key digest [num_layers, num_kv_heads, 2 * head_dim]: the one saved with it when it was

@@ -32,6 +32,7 @@ from flashmemory.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    PreloadRequest,
     TokenizeRequest,
     check_prompt_ids,
 )
@@ -231,6 +232,25 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         else:
             raise APIError(400, "give either 'prompt' or 'messages'", param="prompt", code="invalid_value")
         return JSONResponse({"count": len(ids), "max_model_len": engine.max_seq_len, "tokens": ids})
+
+    @app.post("/v1/preload")
+    async def preload(request: Request) -> Response:
+        state.require_ready()
+        req = await _json_body(request, PreloadRequest)
+        state.check_model(req.model)
+        given = [k for k in ("prompt", "messages", "session") if getattr(req, k) is not None]
+        if len(given) != 1:
+            raise APIError(400, "give one of 'prompt', 'messages' or 'session'", param="prompt",
+                           code="invalid_value")
+        ids = None
+        if req.messages is not None:
+            ids = await asyncio.to_thread(apply_chat_template, state, req.chat_messages(),
+                                          req.add_generation_prompt)
+        elif req.prompt is not None:
+            ids = await asyncio.to_thread(state.worker.engine.tokenizer.encode, req.prompt)
+        future = state.worker.preload(ids, req.session, req.timeout_ms / 1e3)
+        result = await asyncio.wrap_future(future)
+        return JSONResponse({"object": "preload", **result.as_dict()})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

@@ -289,6 +289,21 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
+class PreloadRequest(_Request):
+    """POST /v1/preload: a conversation so far (prompt, messages, or a saved session's name)
+    whose cached KV the engine brings up while its user types (kvcache/preload.py)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: FailFastList[ChatMessage] | None = None
+    session: str | None = None
+    add_generation_prompt: bool = False  # the history alone: the next turn's prompt starts with it
+    timeout_ms: float = Field(10_000.0, gt=0, le=600_000)
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return template_messages(self.messages or [])
+
+
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: FailFastList[int] = Field(default_factory=list)

@@ -11,7 +11,10 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,6 +64,16 @@ class _MetricsObserver:
         self.metrics.count_guardrail(result, latency_s)
 
 
+@dataclass
+class PreloadJob:
+    """A prompt's (or a saved session's) cached KV to bring up while the engine is idle."""
+
+    token_ids: list[int] | None
+    session: str | None
+    deadline_s: float  # time.perf_counter() after which it stops
+    future: Future  # set to the PreloadResult (or the error) on the engine thread
+
+
 class EngineWorker:
     """Owns the engine thread, the engine and its core; the inbox and the outputs waiting to be sent."""
 
@@ -85,6 +98,7 @@ class EngineWorker:
         self.kv_stats: dict[str, int | float] = {}  # latest snapshot, replaced whole after every step
         self.health: dict[str, Any] = {"status": "ok"}  # the engine's (GET /health), as kv_stats
         self._outbox: list[Delivery] = []  # sent after each step's bookkeeping is published
+        self._preloads: list[PreloadJob] = []  # run while no sequence needs the engine
 
     @property
     def scheduler(self) -> Scheduler | None:
@@ -100,6 +114,13 @@ class EngineWorker:
         seq_ids = [next(self._seq_ids) for _ in requests]
         self._inbox.put(("add", list(zip(seq_ids, requests)), sink))
         return seq_ids
+
+    def preload(self, token_ids: list[int] | None, session: str | None, timeout_s: float) -> Future:
+        """Queue a preload (kvcache/preload.py); it runs when no sequence needs the engine and
+        stops at the next request or after `timeout_s`. The future gets its PreloadResult."""
+        job = PreloadJob(token_ids, session, time.perf_counter() + timeout_s, Future())
+        self._inbox.put(("preload", job))
+        return job.future
 
     def abort(self, seq_ids: list[int]) -> None:
         """Stop the sequences and free their KV on every level (no more outputs are sent for them)."""
@@ -152,9 +173,13 @@ class EngineWorker:
     def _loop(self) -> None:
         assert self.core is not None
         while True:
-            if not self._drain_inbox(block=not self.core.has_work()):
+            if not self._drain_inbox(block=not self.core.has_work() and not self._preloads):
+                for job in self._preloads:  # stopping: nobody will run them
+                    job.future.set_exception(RuntimeError("the server is stopping"))
                 return
-            if self.core.has_work():
+            if self._preloads and not self.core.has_work():
+                self._run_preload(self._preloads.pop(0))
+            elif self.core.has_work():
                 with torch.inference_mode():
                     self._outbox.extend(self.engine.step_core(self.core))
             elif self.engine.budget_controller is not None:
@@ -184,10 +209,26 @@ class EngineWorker:
             elif message[0] == "abort":
                 for seq_id in message[1]:
                     self.core.abort(seq_id)
+            elif message[0] == "preload":
+                self._preloads.append(message[1])
             try:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 return True
+
+    def _run_preload(self, job: PreloadJob) -> None:
+        """One preload on the engine thread, stopped by anything arriving in the inbox (a request
+        is served first) or its deadline."""
+        def should_stop() -> str | None:
+            if not self._inbox.empty():
+                return "request"
+            return "timeout" if time.perf_counter() >= job.deadline_s else None
+
+        try:
+            ids = job.token_ids if job.session is None else self.engine.load_session(job.session)
+            job.future.set_result(self.engine.cache.preload_prefix(ids, should_stop))
+        except Exception as e:  # noqa: BLE001 - the caller hears it; the engine goes on
+            job.future.set_exception(e)
 
     def _publish(self) -> None:
         """Refresh the gauges and the KV snapshot; maybe write the periodic stats line."""
