@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,8 @@ from flashmemory.guardrail.loader import build_guardrail
 from flashmemory.guardrail.pool import GuardrailPool
 from flashmemory.kvcache.interface import KVCache
 from flashmemory.kvcache.kv_stats import KVStats
+from flashmemory.kvcache.levels.compaction import CompactResult
+from flashmemory.kvcache.manager.blocks import level_label
 from flashmemory.kvcache.preload import PreloadResult
 from flashmemory.model.loader import build_model, open_checkpoint, weights_bytes, weights_label
 from flashmemory.model.tokenizer import Tokenizer
@@ -282,6 +284,14 @@ class FlashMemoryEngine:
         timed_out = (lambda: None) if deadline is None else (
             lambda: "timeout" if time.perf_counter() >= deadline else None)
         return self.cache.preload_prefix(self._prompt_ids(prompt), timed_out)
+
+    def compact_kv(self, should_stop: Callable[[], bool] = lambda: False
+                   ) -> dict[str, CompactResult]:
+        """Give back the disk blocks of freed records on every file level (kvcache/levels/
+        compaction.py), by level label; idle time only (the server runs it when idle)."""
+        levels = getattr(self.cache, "levels", {})
+        return {level_label(lv): pool.compact(should_stop) for lv, pool in levels.items()
+                if hasattr(pool, "compact")}
 
     def preload_session(self, name: str, timeout_s: float | None = None) -> PreloadResult:
         """preload() of a saved session's tokens (say, after a restart, while its user types)."""

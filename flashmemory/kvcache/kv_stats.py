@@ -49,6 +49,9 @@ class MediumCounters:
     write_failures_io: int | None = None
     bytes_committed: int | None = None  # memory or disk the OS committed to the level so far
     bytes_allocated: int | None = None  # device bytes the storage holds now (the L0 arena)
+    # A file's freed records whose disk blocks compaction has not given back yet, and what it did.
+    bytes_reclaimable: int | None = None
+    bytes_reclaimed: int | None = None
     file_recreated: int | None = None
     files_refused: int | None = None
     failed: int | None = None  # 1 while the medium is not as it should be (health says why)

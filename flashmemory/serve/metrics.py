@@ -160,6 +160,13 @@ class _KVCollector(Collector):
                                 "level to make room")
         committed = family("gauge", "kv_bytes_committed", "Memory or disk the OS has committed to a level so far "
                            "(host pages touched, the sparse cold file's allocated blocks); stays at the working set")
+        reclaimable = family("gauge", "kv_bytes_reclaimable", "Disk a level's file holds for "
+                             "records freed since they were written; idle-time compaction gives it "
+                             "back (kvcache/levels/compaction.py)")
+        fragmentation = family("gauge", "kv_fragmentation", "Of the disk a level's file takes, the "
+                               "fraction that holds freed records (0-1); compaction brings it to 0")
+        reclaimed = family("counter", "kv_bytes_reclaimed", "Disk compaction gave back from a "
+                           "level's file")
         failures = family("counter", "kv_load_failures", "Blocks that failed to load from a level, by reason",
                           ["reason"])
         for level in s.levels:
@@ -178,13 +185,20 @@ class _KVCollector(Collector):
                 read.add_metric(lv, medium.bytes_read)
             if medium.bytes_committed is not None:
                 committed.add_metric(lv, medium.bytes_committed)
+            if medium.bytes_reclaimable is not None:
+                reclaimable.add_metric(lv, medium.bytes_reclaimable)
+                reclaimed.add_metric(lv, medium.bytes_reclaimed or 0)
+                taken = medium.bytes_committed or 0
+                share = min(1.0, medium.bytes_reclaimable / taken) if taken else 0.0
+                fragmentation.add_metric(lv, share)
             cached.add_metric(lv, level.cached_blocks)
             if level.prefix_hit_blocks is not None:
                 prefix_hits.add_metric(lv, level.prefix_hit_blocks)
                 prefix_evicted.add_metric(lv, level.prefix_evicted_blocks)
         for move in s.moves:
             moved.add_metric([self.model_name, move.dest, move.source], move.bytes)
-        yield from (usage, blocks, blocks_total, nbytes, capacity, selected, moved, read, failures, committed, cached)
+        yield from (usage, blocks, blocks_total, nbytes, capacity, selected, moved, read, failures,
+                    committed, cached, reclaimable, fragmentation, reclaimed)
         if s.prefix is not None:
             yield from (prefix_hits, prefix_evicted)
         yield from self._series(s.prefix, PREFIX_SERIES)

@@ -182,8 +182,11 @@ class EngineWorker:
             elif self.core.has_work():
                 with torch.inference_mode():
                     self._outbox.extend(self.engine.step_core(self.core))
-            elif self.engine.budget_controller is not None:
-                self.engine.budget_controller.tick()  # idle time counts too (and lowers the L0 budget)
+            else:
+                if self.engine.budget_controller is not None:
+                    # idle time counts too (and lowers the L0 budget)
+                    self.engine.budget_controller.tick()
+                self._compact_when_idle()
             self._publish()
             # NOTE: outputs go out after the gauges and the KV snapshot are updated, so a client that has its
             # final chunk never sees its own request still counted as running or holding blocks.
@@ -215,6 +218,12 @@ class EngineWorker:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 return True
+
+    def _compact_when_idle(self) -> None:
+        """Idle (no sequence, no preload): give back the disk of freed cold records, stopping
+        before the next run of them as soon as anything arrives in the inbox."""
+        if any(v for k, v in self.kv_stats.items() if k.endswith("_bytes_reclaimable")):
+            self.engine.compact_kv(lambda: not self._inbox.empty())
 
     def _run_preload(self, job: PreloadJob) -> None:
         """One preload on the engine thread, stopped by anything arriving in the inbox (a request

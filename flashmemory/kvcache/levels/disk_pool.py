@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -32,9 +33,10 @@ from flashmemory.errors import ColdBlockError, ColdZoneFullError, ColdZoneWriteE
 from flashmemory.kvcache.levels.cache_folder import CacheFolder
 from flashmemory.kvcache.levels.cold_file import ColdFile
 from flashmemory.kvcache.levels.cold_record import RecordShape
+from flashmemory.kvcache.levels.compaction import CompactResult, punch_freed
 from flashmemory.kvcache.levels.file_io import PositionalIO
-from flashmemory.kvcache.levels.record_mac import RecordSigner
 from flashmemory.kvcache.levels.protocol import LeftRecord, Slots
+from flashmemory.kvcache.levels.record_mac import RecordSigner
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.quant import Codec, Parts
 
@@ -91,6 +93,10 @@ class DiskPool:
         # Bumped when a slot is (re)written or freed, before the bytes change: a copy read ahead of need (prefetch)
         # is served only while its slot's generation is the one it was read under.
         self._generations: dict[int, int] = {}
+        # Slots freed since they were last written: their disk blocks are still allocated until a
+        # compaction (levels/compaction.py) gives them back.
+        self._freed: set[int] = set()
+        self.bytes_reclaimed = 0
         self.uncached_reads = False  # drop each read record from the OS page cache (see set_uncached_reads)
         # A batched read of many segments (the native kernel's, plugged in by the cache: use_batch_read).
         self._batch_read: BatchRead | None = None
@@ -185,6 +191,7 @@ class DiskPool:
         self._generations[slot] = self._generations.get(slot, 0) + 1
         self._crcs.pop(slot, None)  # from here until the write completes, the slot serves nothing
         self._tags.pop(slot, None)
+        self._freed.discard(slot)
         segments = [self._segment(parts, layer) for layer in range(self.num_layers)]
         crcs = [zlib.crc32(s) for s in segments]
         record = self.shape.pack(name, crcs) + b"".join(segments)
@@ -212,6 +219,7 @@ class DiskPool:
         self._generations[slot] = self._generations.get(slot, 0) + 1
         self._tags.pop(slot, None)
         if self._crcs.pop(slot, None) is not None and self._fd >= 0:
+            self._freed.add(slot)
             try:
                 self.io.pwrite(self._fd, b"\0\0\0\0", slot * self.record_bytes)
             except OSError:
@@ -219,6 +227,18 @@ class DiskPool:
 
     def generation_of(self, slot: int) -> int:
         return self._generations.get(slot, 0)
+
+    def compact(self, should_stop: Callable[[], bool] = lambda: False) -> CompactResult:
+        """Give back the disk blocks of the records freed since they were written (idle time
+        only: never call it during a step); live records are not touched."""
+        if self._fd < 0 or not self._freed:
+            now = self.committed_bytes()
+            return CompactResult(bytes_before=now, bytes_after=now)
+        with self.file.lock:  # not while a replacement file is being built
+            result = punch_freed(self._fd, self._freed, self.record_bytes, self.committed_bytes,
+                                 should_stop)
+        self.bytes_reclaimed += max(0, result.bytes_before - result.bytes_after)
+        return result
 
     def _fail(self, reason: str, message: str, count: bool = True) -> ColdBlockError:
         if count:
@@ -276,6 +296,8 @@ class DiskPool:
             out.update({f"load_failures_{reason}": n for reason, n in self.load_failures.items()})
             out.update({f"write_failures_{reason}": n for reason, n in self.write_failures.items()})
         out["bytes_committed"] = self.committed_bytes()
+        out["bytes_reclaimable"] = len(self._freed) * self.record_bytes
+        out["bytes_reclaimed"] = self.bytes_reclaimed
         out["file_recreated"] = self.file.num_recreated
         out["files_refused"] = self.file.folder.num_refused if self.file.folder is not None else 0
         out["failed"] = int(self.file.failed is not None)

@@ -3,7 +3,10 @@ elsewhere (Windows); a write is complete or raises, never short."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
+import sys
 import threading
 
 PORTABLE_ENV = "FLASHMEMORY_PORTABLE_IO"  # 1: the seek-based path even where pread/pwrite exist
@@ -50,3 +53,22 @@ class PositionalIO:
                 raise OSError(0, f"the file accepted none of {len(view)} bytes at offset {offset}")
             view = view[written:]
             offset += written
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_fallocate: object | None = None
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Give the file system back the blocks of [offset, offset + length) (they read as zeros; the
+    file's size stays): Linux's fallocate(FALLOC_FL_PUNCH_HOLE). False where the OS or the file
+    system does not offer it."""
+    global _fallocate
+    if not sys.platform.startswith("linux"):
+        return False
+    if _fallocate is None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+        _fallocate = libc.fallocate
+    mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+    return _fallocate(fd, mode, offset, length) == 0  # type: ignore[operator]
