@@ -15,6 +15,7 @@ from flashmemory.errors import ConfigError, ModelNotFoundError
 from flashmemory.model import cuda_weights
 from flashmemory.model.default_model import default_model_path
 from flashmemory.model.gguf_loader import GGUFCheckpoint
+from flashmemory.model.hub import looks_like_hub_id, resolve_hub_model
 from flashmemory.model.llama import LlamaModel
 from flashmemory.model.model_config import ModelConfig
 from flashmemory.model.quantized import BLOCK_FORMATS, QuantizedTensor, quantize
@@ -48,10 +49,13 @@ def resolve_model_path(model_path: str | os.PathLike | None) -> Path:
     if model_path is None:
         return default_model_path()
     path = Path(model_path).expanduser()
+    if not path.exists() and looks_like_hub_id(str(model_path)):
+        return resolve_hub_model(str(model_path))  # org/name[:QUANT][@revision] (model/hub.py)
     if not path.exists():
         raise ModelNotFoundError(
-            f"model path {str(path)!r} does not exist; pass a GGUF file or a Hugging Face folder "
-            "(config.json + *.safetensors), or omit it to use the embedded SmolLM2"
+            f"model path {str(path)!r} does not exist; pass a GGUF file, a Hugging Face folder "
+            "(config.json + *.safetensors) or Hub id (org/name, org/name:Q4_K_M), or omit it to "
+            "use the embedded SmolLM2"
         )
     if not os.access(path, os.R_OK):
         raise ModelNotFoundError(f"model path {str(path)!r} is not readable by this user; check its permissions")
