@@ -191,8 +191,13 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
 def apply_chat_template(state: ServerState, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
     from flashmemory.errors import FlashMemoryError
 
+    tokenizer = state.worker.engine.tokenizer
+    if not tokenizer.has_chat_template:  # a base model: chat has no meaning for it
+        raise APIError(400, f"{state.model_name} has no chat template (a base model): send "
+                       "the text as 'prompt' to POST /v1/completions instead of 'messages'",
+                       param="messages", code="invalid_value")
     try:
-        return state.worker.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except FlashMemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - a Jinja template that rejects the messages is the client's problem

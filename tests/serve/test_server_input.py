@@ -174,3 +174,20 @@ def test_a_bad_prompt_or_token_element_is_named_by_its_index_with_the_fix(http, 
     err = error_of(r)
     assert r.status_code == 400 and err["param"] == next(iter(body)), err
     assert message in err["message"], err
+
+
+def test_chat_with_a_base_model_is_a_400_naming_the_completions_route():
+    """A tokenizer without a chat template (a base model): messages cannot be rendered."""
+    from types import SimpleNamespace
+
+    from flashmemory.serve.api_errors import APIError
+    from flashmemory.serve.generation import apply_chat_template
+
+    tokenizer = SimpleNamespace(has_chat_template=False)
+    state = SimpleNamespace(model_name="gemma-3-270m", worker=SimpleNamespace(
+        engine=SimpleNamespace(tokenizer=tokenizer)))
+    with pytest.raises(APIError) as e:
+        apply_chat_template(state, [{"role": "user", "content": "hi"}], True)
+    assert e.value.status == 400 and e.value.param == "messages"
+    assert str(e.value).startswith("gemma-3-270m has no chat template (a base model)")
+    assert "POST /v1/completions" in str(e.value)
