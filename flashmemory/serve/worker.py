@@ -178,7 +178,8 @@ class EngineWorker:
                     job.future.set_exception(RuntimeError("the server is stopping"))
                 return
             if self._preloads and not self.core.has_work():
-                self._run_preload(self._preloads.pop(0))
+                with torch.inference_mode():
+                    self._run_preload(self._preloads.pop(0))
             elif self.core.has_work():
                 with torch.inference_mode():
                     self._outbox.extend(self.engine.step_core(self.core))
