@@ -55,6 +55,7 @@ def tiny_hf_config(arch: str, vocab_size: int, **overrides: Any):
         "LlamaForCausalLM": transformers.LlamaConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
     }[arch]
     return cls(**common)
 
@@ -112,6 +113,11 @@ def write_tiny_gguf(
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None)
+    # as Qwen3's GGUFs state it
+    if head_dim and head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if state_vocab_size:
@@ -128,7 +134,9 @@ def write_tiny_gguf(
                  "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
                  "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
                  "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
-                 "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+                 "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+                 "self_attn.q_norm.weight": "attn_q_norm.weight",
+                 "self_attn.k_norm.weight": "attn_k_norm.weight"}
     state = hf_model.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)

@@ -50,6 +50,9 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = DenseLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = DenseLinear(self.q_size, cfg.hidden_size, bias=False)
+        # Qwen3: each head's q and k RMS-normed over head_dim before RoPE
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, batch: ForwardBatch
@@ -60,6 +63,9 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.contiguous())
+            k = self.k_norm(k.contiguous())
         # keys are cached after RoPE; the fused kernel rotates q and k in place (their rows are fresh)
         if not step_ops.rope_(q, k, cos, sin):
             q = RotaryEmbedding.apply(q, cos, sin)
@@ -221,6 +227,9 @@ class LlamaModel(nn.Module):
                     [p + f"self_attn.{n}_proj.bias" for n in "qkv"] if cfg.qkv_bias else None,
                     (q_size + 2 * kv_size, hidden))
             project(attn, "o_proj", [p + "self_attn.o_proj.weight"], None, (hidden, q_size))
+            if cfg.qk_norm:
+                put(attn.q_norm, "weight", take(p + "self_attn.q_norm.weight"), (cfg.head_dim,))
+                put(attn.k_norm, "weight", take(p + "self_attn.k_norm.weight"), (cfg.head_dim,))
             project(mlp, "gate_up_proj", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], None,
                     (2 * inter, hidden))
             project(mlp, "down_proj", [p + "mlp.down_proj.weight"], None, (hidden, inter))

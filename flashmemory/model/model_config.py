@@ -29,6 +29,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None  # HF rope_scaling / rope_parameters, rope_type != "default"
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # q and k RMS-normed per head (head_dim weights each) before RoPE
     sliding_window_tokens: int | None = None  # Mistral-style local attention span; None = full attention
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -69,6 +70,7 @@ class ModelConfig:
         h, i = self.hidden_size, self.intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        per_layer += 2 * self.head_dim if self.qk_norm else 0
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_layers * per_layer + h
 
@@ -109,6 +111,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=BY_HF_NAME[arch].qkv_bias or bool(cfg.get("attention_bias", False)),
+            qk_norm=BY_HF_NAME[arch].qk_norm,
             sliding_window_tokens=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None],
@@ -157,6 +160,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=not has_output_weight,
             qkv_bias=has_qkv_bias,
+            qk_norm=BY_GGUF_NAME[gguf_arch].qk_norm,
             sliding_window_tokens=None,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[int(eos)] if eos is not None else [],

@@ -1,5 +1,6 @@
 """The architectures our decoder runs: one line per architecture (its Hugging Face class and
-model_type, its GGUF name, whether q/k/v carry a bias, and which decoder family builds it). A
+model_type, its GGUF name, whether q/k/v carry a bias or q/k a per-head norm, and which decoder
+family builds it). A
 Llama-family variant is one line here; a new decoder family is one module beside llama.py plus one
 entry in loader.DECODER_FAMILIES."""
 
@@ -15,6 +16,7 @@ class Architecture:
     gguf_name: str | None  # GGUF `general.architecture`; None where its files are written under another name
     qkv_bias: bool  # q/k/v projections carry a bias
     family: str = "llama"  # the decoder that builds it (loader.DECODER_FAMILIES)
+    qk_norm: bool = False  # q and k RMS-normed per head before RoPE (Qwen3)
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -22,6 +24,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # Mistral GGUFs are written as "llama"
     Architecture("MistralForCausalLM", model_type="mistral", gguf_name=None, qkv_bias=False),
     Architecture("Qwen2ForCausalLM", model_type="qwen2", gguf_name="qwen2", qkv_bias=True),
+    Architecture("Qwen3ForCausalLM", model_type="qwen3", gguf_name="qwen3", qkv_bias=False,
+                 qk_norm=True),
 )
 
 BY_HF_NAME: dict[str, Architecture] = {a.hf_name: a for a in ARCHITECTURES}

@@ -47,6 +47,18 @@ def test_gguf_qwen2_with_qkv_bias_and_tied_embeddings(tmp_path):
     assert (_logits(model, ids) - _hf_logits_with(hf, reference, ids)).abs().max().item() <= 1e-4
 
 
+def test_gguf_qwen3_with_q_and_k_norms_matches_transformers(tmp_path):
+    hf = write_tiny_model(tmp_path / "hf", "Qwen3ForCausalLM", tie_word_embeddings=True)
+    reference = write_tiny_gguf(tmp_path / "q3.gguf", hf, "Q8_0", arch="qwen3")
+    ckpt = open_checkpoint(tmp_path / "q3.gguf")
+    assert ckpt.config.architecture == "Qwen3ForCausalLM"
+    assert ckpt.config.qk_norm and not ckpt.config.qkv_bias
+    model = build_model(ckpt, torch.device("cpu"), torch.float32)
+    assert model.layers[0].self_attn.q_norm.weight.shape == (ckpt.config.head_dim,)
+    ids = list(range(3, 40))
+    assert (_logits(model, ids) - _hf_logits_with(hf, reference, ids)).abs().max().item() <= 1e-4
+
+
 def test_vocab_size_is_the_token_list_length_when_the_gguf_states_none(tmp_path):
     hf = write_tiny_model(tmp_path / "hf", "Qwen2ForCausalLM")
     vocab = hf.config.vocab_size
