@@ -56,6 +56,7 @@ def tiny_hf_config(arch: str, vocab_size: int, **overrides: Any):
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "Phi3ForCausalLM": transformers.Phi3Config,
     }[arch]
     return cls(**common)
 
@@ -136,6 +137,8 @@ def write_tiny_gguf(
                  "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
                  "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
                  "self_attn.q_norm.weight": "attn_q_norm.weight",
+                 "self_attn.qkv_proj.weight": "attn_qkv.weight",
+                 "mlp.gate_up_proj.weight": "ffn_up.weight",
                  "self_attn.k_norm.weight": "attn_k_norm.weight"}
     state = hf_model.state_dict()
     if cfg.tie_word_embeddings:

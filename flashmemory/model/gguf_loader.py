@@ -37,21 +37,26 @@ _BLOCK_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # fused (Phi-3)
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Where an architecture's converter writes a block tensor under another meaning: Phi-3's ffn_up
+# holds gate and up together.
+_ARCH_BLOCK_NAMES = {"phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"}}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch or "", {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 
@@ -85,8 +90,9 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         self.metadata = self._file.metadata
         self._by_hf_name: dict[str, GGUFTensorInfo] = {}
         self._types: dict[str, GGMLQuantizationType] = {}
+        arch = self.metadata.get("general.architecture")
         for t in self._file.tensors:
-            name = hf_tensor_name(t.name)
+            name = hf_tensor_name(t.name, arch)
             if name is None:
                 logger.debug("ignoring GGUF tensor %s", t.name)
                 continue

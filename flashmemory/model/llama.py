@@ -223,15 +223,18 @@ class LlamaModel(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             put(layer.input_layernorm, "weight", take(p + "input_layernorm.weight"), (hidden,))
             put(layer.post_attention_layernorm, "weight", take(p + "post_attention_layernorm.weight"), (hidden,))
-            project(attn, "qkv_proj", [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
+            fused = cfg.fused_projections  # Phi-3: one qkv_proj, one gate_up_proj
+            project(attn, "qkv_proj", [p + "self_attn.qkv_proj.weight"] if fused else
+                    [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
                     [p + f"self_attn.{n}_proj.bias" for n in "qkv"] if cfg.qkv_bias else None,
                     (q_size + 2 * kv_size, hidden))
             project(attn, "o_proj", [p + "self_attn.o_proj.weight"], None, (hidden, q_size))
             if cfg.qk_norm:
                 put(attn.q_norm, "weight", take(p + "self_attn.q_norm.weight"), (cfg.head_dim,))
                 put(attn.k_norm, "weight", take(p + "self_attn.k_norm.weight"), (cfg.head_dim,))
-            project(mlp, "gate_up_proj", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], None,
-                    (2 * inter, hidden))
+            gate_up = ([p + "mlp.gate_up_proj.weight"] if fused else
+                       [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            project(mlp, "gate_up_proj", gate_up, None, (2 * inter, hidden))
             project(mlp, "down_proj", [p + "mlp.down_proj.weight"], None, (hidden, inter))
             if finish_layer is not None:
                 finish_layer(layer)

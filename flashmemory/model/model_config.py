@@ -30,6 +30,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False  # q and k RMS-normed per head (head_dim weights each) before RoPE
+    fused_projections: bool = False  # the files hold qkv_proj and gate_up_proj whole (Phi-3)
     sliding_window_tokens: int | None = None  # Mistral-style local attention span; None = full attention
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -112,6 +113,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=BY_HF_NAME[arch].qkv_bias or bool(cfg.get("attention_bias", False)),
             qk_norm=BY_HF_NAME[arch].qk_norm,
+            fused_projections=BY_HF_NAME[arch].fused,
             sliding_window_tokens=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None],
@@ -161,6 +163,7 @@ class ModelConfig:
             tie_word_embeddings=not has_output_weight,
             qkv_bias=has_qkv_bias,
             qk_norm=BY_GGUF_NAME[gguf_arch].qk_norm,
+            fused_projections=BY_GGUF_NAME[gguf_arch].fused,
             sliding_window_tokens=None,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[int(eos)] if eos is not None else [],

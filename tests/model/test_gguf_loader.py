@@ -59,6 +59,16 @@ def test_gguf_qwen3_with_q_and_k_norms_matches_transformers(tmp_path):
     assert (_logits(model, ids) - _hf_logits_with(hf, reference, ids)).abs().max().item() <= 1e-4
 
 
+def test_gguf_phi3_with_fused_projections_matches_transformers(tmp_path):
+    hf = write_tiny_model(tmp_path / "hf", "Phi3ForCausalLM")
+    reference = write_tiny_gguf(tmp_path / "phi3.gguf", hf, "Q8_0", arch="phi3")
+    ckpt = open_checkpoint(tmp_path / "phi3.gguf")
+    assert ckpt.config.architecture == "Phi3ForCausalLM" and ckpt.config.fused_projections
+    model = build_model(ckpt, torch.device("cpu"), torch.float32)
+    ids = list(range(3, 40))
+    assert (_logits(model, ids) - _hf_logits_with(hf, reference, ids)).abs().max().item() <= 1e-4
+
+
 def test_vocab_size_is_the_token_list_length_when_the_gguf_states_none(tmp_path):
     hf = write_tiny_model(tmp_path / "hf", "Qwen2ForCausalLM")
     vocab = hf.config.vocab_size

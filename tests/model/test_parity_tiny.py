@@ -25,7 +25,7 @@ def _hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
-                                  "Qwen3ForCausalLM"])
+                                  "Qwen3ForCausalLM", "Phi3ForCausalLM"])
 def test_prefill_logits_match_transformers(tmp_path, arch):
     hf = write_tiny_model(tmp_path, arch, tie_word_embeddings=(arch == "Qwen2ForCausalLM"))
     engine = FlashMemoryEngine(model_path=str(tmp_path), dtype="float32", kv_cache="contiguous")
