@@ -61,8 +61,8 @@ def gguf_quant(filename: str) -> str | None:
 
 
 def choose_gguf(repo: str, files: list[str], quant: str) -> str:
-    """The GGUF file of `quant` (the first part of a split one); ModelNotFoundError listing the
-    quantizations there are."""
+    """The GGUF file of `quant` (the first part, where it is split); ModelNotFoundError listing
+    the quantizations there are."""
     ggufs = sorted(f for f in files if f.endswith(".gguf"))
     matching = [f for f in ggufs if (gguf_quant(f) or "") == quant.upper()]
     if not matching:
@@ -108,9 +108,13 @@ def _fetch(hub_id: HubId) -> Path:
         if hub_id.quant is not None or (ggufs and "config.json" not in sizes):
             name = choose_gguf(repo, list(sizes), hub_id.quant or DEFAULT_QUANT)
             parts = _split_parts(name, sizes)
-            _check_room(repo, {p: sizes[p] for p in parts}, cache)
-            paths = [Path(hf_hub_download(repo, p, revision=revision)) for p in parts]
-            return paths[0]
+            if len(parts) > 1:  # refused before gigabytes are fetched
+                raise ModelNotFoundError(
+                    f"{repo}'s {hub_id.quant or DEFAULT_QUANT} file is split in {len(parts)} parts "
+                    f"({name}, ...); split GGUF files are not read yet: merge them with "
+                    "llama.cpp's `llama-gguf-split --merge` and pass the merged file's path")
+            _check_room(repo, {name: sizes[name]}, cache)
+            return Path(hf_hub_download(repo, name, revision=revision))
         if "config.json" not in sizes or not any(f.endswith(".safetensors") for f in sizes):
             raise ModelNotFoundError(
                 f"{repo} holds neither a GGUF file nor config.json with *.safetensors; its files: "

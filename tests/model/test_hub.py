@@ -76,6 +76,14 @@ def test_a_gguf_repo_by_quant_picks_that_file_and_answers(hub):
         resolve_hub_model("org/tiny-gguf")  # the default quantization is not there
 
 
+def test_a_split_gguf_is_refused_before_anything_is_fetched(hub, smollm2_path):
+    hub.repos["org/split"] = Repo({"m-Q4_K_M-00001-of-00002.gguf": smollm2_path,
+                                   "m-Q4_K_M-00002-of-00002.gguf": smollm2_path})
+    with pytest.raises(ModelNotFoundError, match="split in 2 parts .*llama-gguf-split --merge"):
+        resolve_hub_model("org/split:Q4_K_M")
+    assert not any("/resolve/" in r for r in hub.requests)
+
+
 def test_offline_the_cached_copy_is_used_and_an_uncached_repo_names_the_cache(hub, monkeypatch):
     import huggingface_hub.constants as constants
 
