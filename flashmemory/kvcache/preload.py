@@ -31,7 +31,7 @@ class PreloadResult:
     cached_tokens: int = 0  # of the prompt, in cached blocks (what the next request reuses)
     blocks: int = 0  # cached blocks of the prefix
     blocks_restored: int = 0  # of them, given a faster copy (L1 from the disk level, L0)
-    bytes_copied: int = 0  # bytes of the copies restored from below (the cache's moves; L0 copies uncounted)
+    bytes_copied: int = 0  # copies restored from below, as the cache counts moves (not L0 copies)
     seconds: float = 0.0
     # None (done), "request" (work arrived), "timeout", "bad_block", "full" (no room on a level)
     stopped: str | None = None
