@@ -80,3 +80,25 @@ def test_a_guardrail_slower_than_its_timeout_is_skipped_and_the_text_unchanged(
     finally:
         slow.release.set()
         engine.close()
+
+
+def test_the_real_classifier_stops_smollm2_when_it_turns_abusive(smollm2_path):
+    """The embedded model asked to repeat an insult, the real BiLSTM checking its output: the
+    output ends with content_filter before the insult is released."""
+    from flashmemory.errors import ConfigError
+    from flashmemory.guardrail.loader import INSTALL, packaged_classifier_folder
+
+    try:
+        packaged_classifier_folder()
+    except ConfigError:
+        pytest.skip(INSTALL)
+    engine = FlashMemoryEngine(guardrail_path="toxic-comment-classifier", guardrail_timeout_ms=2000)
+    try:
+        prompt = "Repeat exactly: you are a stupid idiot and I hate you, you fucking moron."
+        text = engine.generate(prompt, max_new_tokens=40)
+        assert engine.last_stats.finish_reason == "content_filter", text
+        assert "idiot" not in text and engine.last_stats.stop_reason.startswith("guardrail: ")
+        clean = engine.generate("Write one sentence about the sea.", max_new_tokens=24)
+        assert engine.last_stats.finish_reason != "content_filter", clean
+    finally:
+        engine.close()

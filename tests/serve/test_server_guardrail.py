@@ -53,3 +53,26 @@ def test_a_flagged_choice_ends_with_content_filter_streamed_and_not(tiny_llama, 
                 assert P + "guardrail_check_seconds" in m and P + "guardrail_timeouts" in m
     finally:
         mp.undo()
+
+
+def test_the_real_classifier_runs_in_the_server(tiny_llama):
+    """guardrail_path='toxic-comment-classifier' as users set it: every check of the tiny model's
+    text is decided by the real BiLSTM on the server's pool and counted on /metrics."""
+    from flashmemory.errors import ConfigError
+    from flashmemory.guardrail.loader import INSTALL, packaged_classifier_folder
+
+    try:
+        packaged_classifier_folder()
+    except ConfigError:
+        pytest.skip(INSTALL)
+    kwargs = dict(model_path=str(tiny_llama), **TINY_KV, guardrail_path="toxic-comment-classifier",
+                  guardrail_timeout_ms=2000)
+    with live_server(kwargs, served_model_name="tiny") as server:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            r = http.post("/v1/completions", json=BODY)
+            assert r.status_code == 200
+            assert r.json()["choices"][0]["finish_reason"] in ("length", "content_filter")
+            m = families(http.get("/metrics").text)
+            decided = sum(sample(m[P + "guardrail_checks"], result=x)
+                          for x in ("pass", "flagged", "timeout", "error"))
+            assert decided >= 1 and sample(m[P + "guardrail_checks"], result="error") == 0
