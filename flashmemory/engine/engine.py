@@ -276,14 +276,20 @@ class FlashMemoryEngine:
     def delete_session(self, name: str) -> None:
         self.cache.delete_session(name)
 
-    def preload(self, prompt: Prompt, timeout_s: float | None = None) -> PreloadResult:
+    def preload(self, prompt: Prompt, timeout_s: float | None = None,
+                interrupted: Callable[[], bool] = lambda: False) -> PreloadResult:
         """Bring the cached KV of `prompt`'s longest cached prefix (text or token ids) up from disk
         and host memory to where its next request reads it (kvcache/preload.py), before it comes:
-        its time to first token then skips those reads. Stops after `timeout_s` seconds."""
+        its time to first token then skips those reads. Stops after `timeout_s` seconds, or before
+        the next block once `interrupted()` (the server: a request arrived)."""
         deadline = None if timeout_s is None else time.perf_counter() + timeout_s
-        timed_out = (lambda: None) if deadline is None else (
-            lambda: "timeout" if time.perf_counter() >= deadline else None)
-        return self.cache.preload_prefix(self._prompt_ids(prompt), timed_out)
+
+        def should_stop() -> str | None:
+            if interrupted():
+                return "request"
+            return "timeout" if deadline is not None and time.perf_counter() >= deadline else None
+
+        return self.cache.preload_prefix(self._prompt_ids(prompt), should_stop)
 
     def compact_kv(self, should_stop: Callable[[], bool] = lambda: False
                    ) -> dict[str, CompactResult]:
@@ -293,9 +299,10 @@ class FlashMemoryEngine:
         return {level_label(lv): pool.compact(should_stop) for lv, pool in levels.items()
                 if hasattr(pool, "compact")}
 
-    def preload_session(self, name: str, timeout_s: float | None = None) -> PreloadResult:
+    def preload_session(self, name: str, timeout_s: float | None = None,
+                        interrupted: Callable[[], bool] = lambda: False) -> PreloadResult:
         """preload() of a saved session's tokens (say, after a restart, while its user types)."""
-        return self.preload(self.load_session(name), timeout_s)
+        return self.preload(self.load_session(name), timeout_s, interrupted)
 
     def sessions(self) -> list[str]:
         """Names of the saved sessions, sorted (none where the KV cache keeps no sessions)."""

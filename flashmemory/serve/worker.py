@@ -229,14 +229,17 @@ class EngineWorker:
     def _run_preload(self, job: PreloadJob) -> None:
         """One preload on the engine thread, stopped by anything arriving in the inbox (a request
         is served first) or its deadline."""
-        def should_stop() -> str | None:
-            if not self._inbox.empty():
-                return "request"
-            return "timeout" if time.perf_counter() >= job.deadline_s else None
+        left_s = max(0.0, job.deadline_s - time.perf_counter())
+
+        def arrived() -> bool:
+            return not self._inbox.empty()
 
         try:
-            ids = job.token_ids if job.session is None else self.engine.load_session(job.session)
-            job.future.set_result(self.engine.cache.preload_prefix(ids, should_stop))
+            if job.session is None:
+                result = self.engine.preload(job.token_ids, left_s, arrived)
+            else:
+                result = self.engine.preload_session(job.session, left_s, arrived)
+            job.future.set_result(result)
         except Exception as e:  # noqa: BLE001 - the caller hears it; the engine goes on
             job.future.set_exception(e)
 
