@@ -97,7 +97,7 @@ def test_memlock_fails_only_when_locking_is_asked_and_the_limit_is_under_the_poo
     from flashmemory.kvcache.levels import memory_lock
 
     monkeypatch.setattr(memory_lock, "memlock_limit_bytes", lambda: 8 * 2**20)
-    monkeypatch.setattr(checks.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(memory_lock, "may_lock_without_limit", lambda: False)
     asked = checks.check_memlock(EngineConfig(cpu_memory_gb=1.0, lock_host_memory=True))
     assert asked.status == "fail" and "8.0 MiB is under the 1.0 GiB L1 pool" in asked.summary
     assert "ulimit -l" in asked.fix

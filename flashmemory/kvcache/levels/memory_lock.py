@@ -42,7 +42,7 @@ def locked_bytes() -> int | None:
     return None
 
 
-def _may_lock_without_limit() -> bool:
+def may_lock_without_limit() -> bool:
     """CAP_IPC_LOCK in the effective set (root has it): RLIMIT_MEMLOCK does not apply."""
     try:
         with open("/proc/self/status") as f:
@@ -68,7 +68,7 @@ def lock(address: int, nbytes: int, what: str) -> None:
     cannot be."""
     limit = memlock_limit_bytes()
     already = locked_bytes() or 0
-    if limit is not None and already + nbytes > limit and not _may_lock_without_limit():
+    if limit is not None and already + nbytes > limit and not may_lock_without_limit():
         raise HostBudgetError(
             f"lock_host_memory: {what} is {nbytes / MIB:.1f} MiB but RLIMIT_MEMLOCK allows "
             f"{limit / MIB:.1f} MiB ({already / MIB:.1f} MiB locked already); {FIX}")

@@ -212,18 +212,20 @@ def check_swap() -> Check:
 def check_memlock(cfg: EngineConfig) -> Check:
     """RLIMIT_MEMLOCK against the L1 pool that lock_host_memory (--disable-swap) would lock."""
     from flashmemory.engine.sizing import host_budget_gb
-    from flashmemory.kvcache.levels.memory_lock import FIX, memlock_limit_bytes
+    from flashmemory.kvcache.levels.memory_lock import (FIX, may_lock_without_limit,
+                                                        memlock_limit_bytes)
 
     if not hasattr(os, "geteuid"):
         return Check("memlock", "n/a", "no mlock here (Windows): lock_host_memory is refused")
     limit = memlock_limit_bytes()
     l1 = host_budget_gb(cfg).cpu_memory_gb * GIB
-    root = os.geteuid() == 0
+    unlimited = may_lock_without_limit()  # CAP_IPC_LOCK (root has it): the limit does not apply
     shown = "unlimited" if limit is None else f"{limit / 2**20:.1f} MiB"
-    data = {"memlock_limit_bytes": limit, "l1_bytes": int(l1), "root": root,
+    data = {"memlock_limit_bytes": limit, "l1_bytes": int(l1), "cap_ipc_lock": unlimited,
             "lock_host_memory": cfg.lock_host_memory}
-    if limit is None or root or l1 <= limit:
-        why = " (root: the limit does not apply)" if root and limit is not None else ""
+    if limit is None or unlimited or l1 <= limit:
+        why = (" (CAP_IPC_LOCK: the limit does not apply)" if unlimited and limit is not None
+               else "")
         return Check("memlock", "pass", f"RLIMIT_MEMLOCK {shown}{why}: lock_host_memory can "
                      f"lock the {l1 / GIB:.1f} GiB L1 pool", data=data)
     status = "fail" if cfg.lock_host_memory else "pass"

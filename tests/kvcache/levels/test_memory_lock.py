@@ -27,7 +27,7 @@ def pool(num_slots: int, lock: bool) -> TensorPool:
 
 def test_a_locked_pool_is_resident_and_unlocked_on_close():
     before = memory_lock.locked_bytes()
-    if memory_lock.memlock_limit_bytes() is not None and not memory_lock._may_lock_without_limit():
+    if memory_lock.memlock_limit_bytes() is not None and not memory_lock.may_lock_without_limit():
         pytest.skip("RLIMIT_MEMLOCK is limited here and the process may not exceed it")
     p = pool(64, lock=True)
     assert p.locked_bytes == p.capacity_bytes == 64 * 2 * 2 * 16 * 64 * 2 * 2
@@ -45,7 +45,7 @@ def test_an_unlocked_pool_locks_nothing():
 
 def test_a_pool_over_the_limit_is_refused_naming_both_numbers_and_the_fix(monkeypatch):
     monkeypatch.setattr(memory_lock, "memlock_limit_bytes", lambda: 64 * 1024)
-    monkeypatch.setattr(memory_lock, "_may_lock_without_limit", lambda: False)
+    monkeypatch.setattr(memory_lock, "may_lock_without_limit", lambda: False)
     with pytest.raises(HostBudgetError) as e:
         pool(64, lock=True)
     message = str(e.value)
@@ -74,7 +74,7 @@ def test_the_engine_locks_its_l1_pool_with_the_seeds_flag_name(tiny_llama):
     from flashmemory.cli import build_parser
     from flashmemory.config_args import engine_kwargs
 
-    if memory_lock.memlock_limit_bytes() is not None and not memory_lock._may_lock_without_limit():
+    if memory_lock.memlock_limit_bytes() is not None and not memory_lock.may_lock_without_limit():
         pytest.skip("RLIMIT_MEMLOCK is limited here")
     args = build_parser().parse_args(["generate", "--disable-swap", "--prompt", "x"])
     assert engine_kwargs(args) == {"lock_host_memory": True}
