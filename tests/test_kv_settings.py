@@ -16,10 +16,10 @@ from flashmemory.engine.sizing import plan_device, tiered_config
 from flashmemory.errors import ConfigError
 from flashmemory.guardrail_settings import GuardrailSettings
 from flashmemory.kv_settings import MIB, KVSettings
+from flashmemory.spec_settings import SpeculativeSettings
 from flashmemory.kvcache.config import TieredCacheConfig
 from flashmemory.serve.config import ServerConfig
 from flashmemory.settings import default_of
-from flashmemory.spec_settings import SpeculativeSettings
 from flashmemory.tools.mats import coherence, temporal
 from tests.engine.test_sizing import QWEN, WEIGHTS
 from tests.kvcache.synthetic import TINY_SETTINGS, tiny_config

@@ -12,13 +12,9 @@ import torch
 
 from flashmemory.config import EngineConfig
 from flashmemory.engine.budget_controller import BudgetController
-from flashmemory.engine.cache_factory import (
-    build_budget_controller,
-    build_kv_cache,
-    check_budgets,
-    device_plan_for,
-    kv_fingerprint_source,
-)
+from flashmemory.engine.cache_factory import (build_budget_controller, build_kv_cache,
+                                              check_budgets, device_plan_for,
+                                              kv_fingerprint_source)
 from flashmemory.engine.core import Delivery, EngineCore
 from flashmemory.engine.forward import forward_chunks
 from flashmemory.engine.observer import StepObserver
@@ -26,12 +22,13 @@ from flashmemory.engine.options import RequestOptions, is_batch, request_options
 from flashmemory.engine.request import SequenceOutput, SequenceRequest
 from flashmemory.engine.scheduling_policy import POLICIES, SchedulingPolicy
 from flashmemory.engine.scoring import ScoreResult, score_tokens
+from flashmemory.engine.stats import GenerationStats, peak_memory
+from flashmemory.errors import (ConfigError, EngineBusyError, FlashMemoryError, MemoryBudgetError,
+                                PromptTooLongError)
 from flashmemory.engine.sizing import DevicePlan
 from flashmemory.engine.speculative.budget_split import BudgetSplit, split_budgets
 from flashmemory.engine.speculative.build import Target, build_speculator
 from flashmemory.engine.speculative.speculator import Speculator
-from flashmemory.engine.stats import GenerationStats, peak_memory
-from flashmemory.errors import ConfigError, EngineBusyError, FlashMemoryError, MemoryBudgetError, PromptTooLongError
 from flashmemory.guardrail.loader import build_guardrail
 from flashmemory.guardrail.pool import GuardrailPool
 from flashmemory.kvcache.interface import KVCache

@@ -30,19 +30,19 @@ from flashmemory.kvcache.manager.capacity import KVCapacity
 from flashmemory.kvcache.manager.prefix_cache import PrefixCache, chain_hashes
 from flashmemory.kvcache.native import native_rescore, native_selection, use_native_reads
 from flashmemory.kvcache.placement import Placement
+from flashmemory.kvcache.preload import PreloadResult, preload_prefix
+from flashmemory.kvcache.prefix_store import PrefixStore
+from flashmemory.kvcache.sessions import CacheSessions
+from flashmemory.kvcache.tiered_stats import tiered_stats
 from flashmemory.kvcache.prefetch import build_prefetch
 from flashmemory.kvcache.prefetch.access_trace import TraceRecorder
 from flashmemory.kvcache.prefetch.device_staging import DeviceStaging
 from flashmemory.kvcache.prefetch.prefetcher import Prefetcher
-from flashmemory.kvcache.prefix_store import PrefixStore
-from flashmemory.kvcache.preload import PreloadResult, preload_prefix
 from flashmemory.kvcache.read.choice import ChoiceObserver
 from flashmemory.kvcache.read.reader import BlockReader
 from flashmemory.kvcache.read.selection import key_digest
 from flashmemory.kvcache.recent_rows import RecentRows, row_layout
 from flashmemory.kvcache.sequence_state import SequenceKV
-from flashmemory.kvcache.sessions import CacheSessions
-from flashmemory.kvcache.tiered_stats import tiered_stats
 
 
 class TieredKVCache(KVCache):

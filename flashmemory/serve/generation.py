@@ -13,8 +13,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from flashmemory.engine.request import SequenceOutput, SequenceRequest
-from flashmemory.engine.sampling import choice_seed
 from flashmemory.serve.api_errors import APIError
 from flashmemory.serve.protocol import (
     ChatCompletionRequest,
@@ -24,6 +22,8 @@ from flashmemory.serve.protocol import (
     sampling_params,
 )
 from flashmemory.serve.state import ServerState
+from flashmemory.engine.request import SequenceOutput, SequenceRequest
+from flashmemory.engine.sampling import choice_seed
 
 _POLL_S = 1.0  # how often a waiting request checks that the engine is still alive
 DONE = "data: [DONE]\n\n"

@@ -35,8 +35,8 @@ from flashmemory.kvcache.levels.cold_file import ColdFile
 from flashmemory.kvcache.levels.cold_record import RecordShape
 from flashmemory.kvcache.levels.compaction import CompactResult, punch_freed
 from flashmemory.kvcache.levels.file_io import PositionalIO
-from flashmemory.kvcache.levels.protocol import LeftRecord, Slots
 from flashmemory.kvcache.levels.record_mac import RecordSigner
+from flashmemory.kvcache.levels.protocol import LeftRecord, Slots
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.quant import Codec, Parts
 
