@@ -73,6 +73,13 @@ def choose_gguf(repo: str, files: list[str], quant: str) -> str:
     return next((f for f in matching if "-00001-of-" in f), matching[0])
 
 
+def _wants_gguf(hub_id: HubId, files: list[str]) -> bool:
+    """Whether the id means a GGUF file of the repo: a :QUANT was asked for, or the repo holds GGUF
+    files and no safetensors config."""
+    has_gguf = any(f.endswith(".gguf") for f in files)
+    return hub_id.quant is not None or (has_gguf and "config.json" not in files)
+
+
 def resolve_hub_model(text: str) -> Path:
     """The local path of the model `text` names on the Hub, fetched into the Hugging Face cache
     where it is not there yet."""
@@ -104,8 +111,7 @@ def _fetch(hub_id: HubId) -> Path:
             _check_room(repo, {hub_id.file: _sizes(repo, revision).get(hub_id.file)}, cache)
             return Path(hf_hub_download(repo, hub_id.file, revision=revision))
         sizes = _sizes(repo, revision)
-        ggufs = [f for f in sizes if f.endswith(".gguf")]
-        if hub_id.quant is not None or (ggufs and "config.json" not in sizes):
+        if _wants_gguf(hub_id, list(sizes)):
             name = choose_gguf(repo, list(sizes), hub_id.quant or DEFAULT_QUANT)
             parts = _split_parts(name, sizes)
             if len(parts) > 1:  # refused before gigabytes are fetched
@@ -191,7 +197,7 @@ def _from_cache(hub_id: HubId, cache: Path) -> Path:
         return Path(hf_hub_download(hub_id.repo, hub_id.file, revision=hub_id.revision,
                                     local_files_only=True))
     folder = Path(snapshot_download(hub_id.repo, revision=hub_id.revision, local_files_only=True))
-    ggufs = sorted(str(p.relative_to(folder)) for p in folder.rglob("*.gguf"))
-    if hub_id.quant is not None or (ggufs and not (folder / "config.json").exists()):
-        return folder / choose_gguf(hub_id.repo, ggufs, hub_id.quant or DEFAULT_QUANT)
+    files = [str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()]
+    if _wants_gguf(hub_id, files):
+        return folder / choose_gguf(hub_id.repo, files, hub_id.quant or DEFAULT_QUANT)
     return folder
