@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -173,3 +175,14 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return reference
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0,
+             interval_s: float = 0.002) -> bool:
+    """Poll `condition` until it holds or `timeout_s` passes; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval_s)
+    return condition()

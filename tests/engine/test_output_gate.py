@@ -9,7 +9,8 @@ from flashmemory.engine.observer import NullObserver
 from flashmemory.engine.output_gate import CONTENT_FILTER, OutputGate
 from flashmemory.engine.request import SequenceOutput
 from flashmemory.guardrail.pool import GuardrailPool
-from tests.guardrail.fakes import FlagWords, Raising, Slow, wait_for
+from tests.guardrail.fakes import FlagWords, Raising, Slow
+from tests.helpers import wait_for
 
 
 class Recorder(NullObserver):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 
 class FlagWords:
@@ -47,11 +46,3 @@ class Raising(FlagWords):
     def scores(self, text: str) -> dict[str, float]:
         raise RuntimeError("the classifier broke")
 
-
-def wait_for(condition, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.002)
-    return condition()

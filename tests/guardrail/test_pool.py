@@ -8,7 +8,8 @@ import pytest
 
 from flashmemory.guardrail.classifier import judge
 from flashmemory.guardrail.pool import GuardrailPool
-from tests.guardrail.fakes import FlagWords, Raising, Slow, wait_for
+from tests.guardrail.fakes import FlagWords, Raising, Slow
+from tests.helpers import wait_for
 
 
 @pytest.fixture

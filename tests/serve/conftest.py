@@ -16,6 +16,7 @@ import uvicorn
 from flashmemory.serve.app import create_app
 from flashmemory.serve.config import ServerConfig
 from flashmemory.serve.shutdown import GracefulServer
+from tests.helpers import wait_for
 
 LOAD_TIMEOUT_S = 120.0
 
@@ -62,12 +63,7 @@ class LiveServer:
         self.thread.join(30)
 
     def wait_until(self, condition: Callable[[], bool], timeout_s: float = 20.0) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if condition():
-                return True
-            time.sleep(0.02)
-        return condition()
+        return wait_for(condition, timeout_s, interval_s=0.02)
 
     def kv_idle(self) -> bool:
         """No sequence alive and no block held on any level (the engine thread's latest snapshot)."""
