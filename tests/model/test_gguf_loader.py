@@ -47,24 +47,19 @@ def test_gguf_qwen2_with_qkv_bias_and_tied_embeddings(tmp_path):
     assert (_logits(model, ids) - _hf_logits_with(hf, reference, ids)).abs().max().item() <= 1e-4
 
 
-def test_gguf_qwen3_with_q_and_k_norms_matches_transformers(tmp_path):
-    hf = write_tiny_model(tmp_path / "hf", "Qwen3ForCausalLM", tie_word_embeddings=True)
-    reference = write_tiny_gguf(tmp_path / "q3.gguf", hf, "Q8_0", arch="qwen3")
-    ckpt = open_checkpoint(tmp_path / "q3.gguf")
-    assert ckpt.config.architecture == "Qwen3ForCausalLM"
-    assert ckpt.config.qk_norm and not ckpt.config.qkv_bias
+@pytest.mark.parametrize("arch,gguf_arch,flag", [
+    ("Qwen3ForCausalLM", "qwen3", "qk_norm"),  # q and k RMS-normed per head, no QKV bias
+    ("Phi3ForCausalLM", "phi3", "fused_projections"),  # attn_qkv, and ffn_up holding gate and up
+])
+def test_gguf_qwen3_and_phi3_match_transformers(tmp_path, arch, gguf_arch, flag):
+    hf = write_tiny_model(tmp_path / "hf", arch, tie_word_embeddings=arch == "Qwen3ForCausalLM")
+    reference = write_tiny_gguf(tmp_path / "m.gguf", hf, "Q8_0", arch=gguf_arch)
+    ckpt = open_checkpoint(tmp_path / "m.gguf")
+    assert ckpt.config.architecture == arch and getattr(ckpt.config, flag)
+    assert not ckpt.config.qkv_bias
     model = build_model(ckpt, torch.device("cpu"), torch.float32)
-    assert model.layers[0].self_attn.q_norm.weight.shape == (ckpt.config.head_dim,)
-    ids = list(range(3, 40))
-    assert (_logits(model, ids) - _hf_logits_with(hf, reference, ids)).abs().max().item() <= 1e-4
-
-
-def test_gguf_phi3_with_fused_projections_matches_transformers(tmp_path):
-    hf = write_tiny_model(tmp_path / "hf", "Phi3ForCausalLM")
-    reference = write_tiny_gguf(tmp_path / "phi3.gguf", hf, "Q8_0", arch="phi3")
-    ckpt = open_checkpoint(tmp_path / "phi3.gguf")
-    assert ckpt.config.architecture == "Phi3ForCausalLM" and ckpt.config.fused_projections
-    model = build_model(ckpt, torch.device("cpu"), torch.float32)
+    if ckpt.config.qk_norm:
+        assert model.layers[0].self_attn.q_norm.weight.shape == (ckpt.config.head_dim,)
     ids = list(range(3, 40))
     assert (_logits(model, ids) - _hf_logits_with(hf, reference, ids)).abs().max().item() <= 1e-4
 
