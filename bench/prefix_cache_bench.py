@@ -95,12 +95,14 @@ def _llamacpp(args: argparse.Namespace) -> dict:
     import llama_cpp
 
     from flashmemory.model.default_model import default_model_path
+    from flashmemory.tools.bench.llamacpp_open import open_llama
 
     path = args.model or str(default_model_path())
     doc_ids = _doc_ids(args)
 
     def load():
-        return llama_cpp.Llama(model_path=path, n_ctx=min(8192, args.doc_tokens + 512), n_threads=args.threads,
+        return open_llama(model_path=path, n_ctx=min(8192, args.doc_tokens + 512),
+                          n_threads=args.threads,
                                n_threads_batch=args.threads, n_batch=512, verbose=False)
 
     def ask(llm, question: str) -> float:

@@ -8,12 +8,13 @@ import ctypes
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+
+from flashmemory import cpu_features
 
 logger = logging.getLogger(__name__)
 
@@ -28,17 +29,6 @@ def native_disabled() -> bool:
 def _cache_dir() -> Path:
     root = os.environ.get("FLASHMEMORY_CACHE_DIR") or Path.home() / ".cache" / "flashmemory"
     return Path(root) / "native"
-
-
-def _cpu_fingerprint() -> str:
-    """What -march=native depends on: a library built on one CPU is never loaded on another."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _compile(compiler: str, flags: Sequence[str], sources: Sequence[Path], target: Path) -> None:
@@ -65,7 +55,7 @@ def build_library(name: str, sources: Sequence[Path], flags: Sequence[str], what
         key = hashlib.sha256(
             b"".join(s.read_bytes() for s in (*sources, *headers)) + " ".join(flags).encode()
             + version.encode()
-            + _cpu_fingerprint().encode()
+            + cpu_features.flags_line().encode()  # -march=native: never loaded on another CPU
         ).hexdigest()[:16]
         target = _cache_dir() / f"{name}-{key}.so"
         if not target.is_file():

@@ -18,6 +18,7 @@ RANKS = {
     "flashmemory.kv_settings": 0, "flashmemory.spec_settings": 0,
     "flashmemory.guardrail_settings": 0,
     "flashmemory.seed_names": 0, "flashmemory.native_build": 0, "flashmemory.rss": 0,
+    "flashmemory.cpu_features": 0,
     "flashmemory.snapshot_format": 0,
     "flashmemory.config_args": 0,
     "flashmemory.kvcache": 1, "flashmemory.model": 1, "flashmemory.guardrail": 1,

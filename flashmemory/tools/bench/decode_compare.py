@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from flashmemory.errors import ConfigError
 from flashmemory.tools.bench.decode_fidelity import score_engines
 from flashmemory.tools.bench.decode_worker import REPLY_PREFIX
 from flashmemory.tools.bench.engines import FLASHMEMORY, LLAMA_CPP, REFERENCE_ENGINE, TRANSFORMERS, select_engines
+from flashmemory.tools.bench.llamacpp_open import EXTRA_BUFTS_ENV, load_choice, machine_record
 
 MIB = 2**20
 # Restored context: a multiple of this (the engine's default prefill_chunk_tokens, as `flashmemory eval` restores).
@@ -159,7 +161,14 @@ class _Worker:
         for line in self.proc.stdout:
             if line.startswith(REPLY_PREFIX):
                 return json.loads(line[len(REPLY_PREFIX):])
-        raise RuntimeError(f"{self.engine.name}: the worker exited (status {self.proc.wait()}) without replying")
+        status = self.proc.wait()
+        hint = ""
+        crashed = status == -signal.SIGSEGV and self.engine.family == LLAMA_CPP
+        if crashed and load_choice().extra_buffer_types:
+            hint = (f"; llama.cpp crashed with its extra buffer types on: run again with "
+                    f"{EXTRA_BUFTS_ENV}=off (its AMX weight repack is known to segfault)")
+        raise RuntimeError(f"{self.engine.name}: the worker exited (status {status}) "
+                           f"without replying{hint}")
 
     def send(self, command: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None
@@ -220,7 +229,7 @@ def run_decode_compare(gguf_path: Path, ids_path: Path, lengths: list[int], roun
                 fidelity[engine.name]))
     return {"rows": [asdict(r) for r in rows], "threads": threads, "rounds": rounds, "steps_per_round": steps,
             "load_average_before": load_before, "load_average_after": os.getloadavg(), "gguf": str(gguf_path),
-            "kv_snapshot": None if kv_snapshot is None else str(kv_snapshot),
+            "kv_snapshot": None if kv_snapshot is None else str(kv_snapshot), **machine_record(),
             "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
@@ -303,6 +312,11 @@ def to_markdown(report: dict[str, Any]) -> str:
                  f"of {report['steps_per_round']} teacher-forced steps (medians of every step; vs llama.cpp: the "
                  f"fastest llama.cpp f16 row's ms/token over this row's); load average "
                  f"{before} before, {after} after; {Path(report['gguf']).name}.")
+    if "cpu" in report:  # reports written before the CPU was recorded have neither
+        load = report["llamacpp_load"]
+        lines.append(f"CPU: {report['cpu']['model']} ({', '.join(report['cpu']['flags'])}); "
+                     f"llama.cpp's extra buffer types "
+                     f"{'on' if load['extra_buffer_types'] else 'off'}: {load['why']}.")
     lines.append(f"Fidelity over the {steps} teacher-forced steps (each step's next id scored; decode PPL over "
                  f"{steps} tokens is noisy): KL(reference || engine) in nats, mean over the steps; top-1: steps "
                  "whose argmax agrees with the reference's. llama.cpp's own matmuls differ from ours (its Q4_K path "

@@ -24,6 +24,7 @@ import numpy as np
 from flashmemory.errors import ConfigError, KVSnapshotError
 from flashmemory.rss import peak_rss_bytes, reset_peak_rss
 from flashmemory.tools.bench.decode_fidelity import log_softmax
+from flashmemory.tools.bench.llamacpp_open import open_llama
 
 REPLY_PREFIX = "DECODE-REPLY "  # marks our lines among anything a library prints to stdout
 
@@ -40,7 +41,7 @@ class LlamaCppStepper:
         types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
         if self.kv_type not in types:
             raise ConfigError(f"the decode comparison runs llama.cpp with f16 or q8_0 KV, not {self.kv_type!r}")
-        self.llm = llama_cpp.Llama(model_path=spec["gguf_path"], n_ctx=num_ctx, n_batch=512,
+        self.llm = open_llama(model_path=spec["gguf_path"], n_ctx=num_ctx, n_batch=512,
                                    n_threads=spec["threads"], n_threads_batch=spec["threads"],
                                    type_k=types[self.kv_type], type_v=types[self.kv_type],
                                    flash_attn=bool(settings.get("flash_attn", False)), logits_all=False,

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from flashmemory.tools.bench import llamacpp_state as state
+from flashmemory.tools.bench.llamacpp_open import open_llama
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     n, model = args.tokens, Path(args.model) if args.model else long_model_path()
     kv_type = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}[args.kv_type]
-    llm = llama_cpp.Llama(model_path=str(model), n_ctx=n + args.steps + 16, n_batch=512, n_threads=args.threads,
+    llm = open_llama(model_path=str(model), n_ctx=n + args.steps + 16, n_batch=512,
+                     n_threads=args.threads,
                           n_threads_batch=args.threads, type_k=kv_type, type_v=kv_type,
                           flash_attn=args.kv_type != "f16", logits_all=False, verbose=False)
     ids = llm.tokenize(Path(args.text).read_bytes(), add_bos=False)[:n + args.steps - 1]

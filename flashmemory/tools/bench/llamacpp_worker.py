@@ -9,8 +9,10 @@ from typing import Any
 
 import numpy as np
 
+from flashmemory.errors import ConfigError
 from flashmemory.tools.bench.jobs import FidelityJob, FidelityResult, SpeedJob, SpeedResult, read_token_ids
 from flashmemory.tools.bench.kv_bytes import llama_cpp_kv_bytes
+from flashmemory.tools.bench.llamacpp_open import open_llama
 from flashmemory.rss import peak_rss_bytes
 
 REFERENCE = "llamacpp-f16"  # llama.cpp's rows are compared with its own f16 cache (its kernels, its weights)
@@ -31,11 +33,13 @@ def open_model(gguf_path: str, settings: dict[str, Any], n_ctx: int, num_threads
 
     kv = settings["kv_type"]
     try:
-        return llama_cpp.Llama(
+        return open_llama(
             model_path=gguf_path, n_ctx=n_ctx, n_batch=512, n_threads=num_threads, n_threads_batch=num_threads,
             type_k=_ggml_type(llama_cpp, kv), type_v=_ggml_type(llama_cpp, kv), flash_attn=settings["flash_attn"],
             logits_all=False, verbose=False,
         )
+    except ConfigError:
+        raise
     except (ValueError, RuntimeError) as e:
         hint = ("; llama.cpp needs flash attention for a quantized V cache"
                 if kv != "f16" and not settings["flash_attn"] else "")

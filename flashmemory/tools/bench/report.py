@@ -124,7 +124,16 @@ def settings_line(report: BenchReport) -> str:
             f"{c['decode_tokens']} greedy decode tokens, median of {c['runs']} interleaved run(s), one process per "
             f"run; {c['threads']} threads, OMP_WAIT_POLICY={s['omp_wait_policy']}, dtype {c['dtype']}; torch "
             f"{s['torch']}, transformers {s['transformers']}, {s['machine']}, {s['cpu_count']} CPUs, CUDA "
-            f"{'yes' if s['cuda'] else 'no'}; {s['wall_s'] / 60:.0f} min in all.")
+            f"{'yes' if s['cuda'] else 'no'}; {s['wall_s'] / 60:.0f} min in all.{_cpu_line(s)}")
+
+
+def _cpu_line(s: dict) -> str:
+    if "cpu" not in s:  # a report written before the CPU was recorded
+        return ""
+    load = s["llamacpp_load"]
+    return (f" CPU {s['cpu']['model']} ({', '.join(s['cpu']['flags'])}); llama.cpp's extra "
+            "buffer types "
+            f"{'on' if load['extra_buffer_types'] else 'off'} ({load['why']}).")
 
 
 def to_markdown(report: BenchReport) -> str:

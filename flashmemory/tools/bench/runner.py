@@ -33,6 +33,7 @@ from flashmemory.tools.bench.engines import (
 from flashmemory.tools.bench.inputs import BenchInputs, load_inputs
 from flashmemory.tools.bench.jobs import FidelityJob, SpeedJob
 from flashmemory.tools.bench.launcher import WorkerLauncher
+from flashmemory.tools.bench.llamacpp_open import machine_record
 from flashmemory.tools.bench.summary import EngineRow, RunRecord, summarize
 from flashmemory.errors import ConfigError
 
@@ -274,7 +275,7 @@ class Bench:
             "transformers": transformers.__version__,
             "python": platform.python_version(),
             "machine": f"{platform.machine()} {platform.processor()}".strip(),
-            "cpu_count": os.cpu_count(),
+            "cpu_count": os.cpu_count(), **machine_record(),
             "cuda": torch.cuda.is_available(),
             "wall_s": round(wall_s, 1),
         }

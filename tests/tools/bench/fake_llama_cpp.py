@@ -19,12 +19,23 @@ VOCAB = 64
 created: list["Llama"] = []  # every context made, for the tests to inspect
 
 
+class ModelParams:
+    """The model parameters llama-cpp-python's Llama() starts from (the field the bench sets)."""
+
+    use_extra_bufts = True
+
+
+def llama_model_default_params() -> ModelParams:
+    return ModelParams()
+
+
 class Llama:
     def __init__(self, model_path: str, n_ctx: int, n_batch: int, n_threads: int, n_threads_batch: int,
                  type_k: int, type_v: int, flash_attn: bool, logits_all: bool, verbose: bool) -> None:
         if type_v != GGML_TYPE_F16 and not flash_attn:
             raise ValueError("Failed to create llama_context")
         self.model_path = model_path
+        self.use_extra_bufts = llama_model_default_params().use_extra_bufts  # as Llama() reads them
         self._n_ctx = -(-n_ctx // 256) * 256
         self.n_threads = n_threads
         self.type_k, self.type_v = type_k, type_v
