@@ -1,11 +1,10 @@
 """The decode GEMV with 8-bit activations (csrc/q8_gemv.c): for every block format it computes
 exactly the float32-dequantized weights times x rounded to 8 bits per 32 values, its rows do not
-depend on how many rows one call takes, and the portable C (no AVX2) computes the same sums."""
+depend on how many rows one call takes (the portable and AVX2 builds: test_kernel_paths.py)."""
 
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +12,6 @@ import torch
 
 from flashmemory.model.native import quant_kernels
 from flashmemory.model.quantized import BLOCK_FORMATS
-from flashmemory.native_build import BASE_FLAGS, build_library
 from tests.model.test_quantized_weights import _random_blocks, _reference
 
 FORMATS = list(BLOCK_FORMATS)
@@ -92,29 +90,3 @@ def test_the_setting_resolves_by_what_the_cpu_runs_and_auto_by_format():
     assert not any(quant_kernels.int8_for("float32", f) for f in FORMATS)
     with pytest.raises(ValueError, match="decode_activations='int4'"):
         quant_kernels.resolve_decode_activations("int4", LIB)
-
-
-@pytest.fixture(scope="module")
-def portable() -> ctypes.CDLL:
-    source = Path(quant_kernels.__file__).with_name("csrc") / "q8_gemv.c"
-    flags = (*BASE_FLAGS, "-fopenmp", "-mno-avx2", "-mno-fma")
-    lib = build_library("flashmemory_q8_portable", [source], flags, "the 8-bit GEMV (portable)",
-                        quant_kernels.HEADERS)
-    if lib is None:
-        pytest.skip("the portable build failed")
-    lib.fm_quantize_x8.argtypes = LIB.fm_quantize_x8.argtypes
-    lib.fm_qgemv_x8.argtypes, lib.fm_qgemv_x8.restype = LIB.fm_qgemv_x8.argtypes, ctypes.c_int
-    lib.fm_x8_block_bytes.restype = ctypes.c_int64
-    return lib
-
-
-@pytest.mark.parametrize("type_name", FORMATS)
-def test_the_portable_c_computes_the_vectorized_sums(portable, type_name):
-    assert portable.fm_x8_vectorized() == 0
-    rows, cols = 32, 512
-    blocks = torch.from_numpy(np.ascontiguousarray(_random_blocks(type_name, rows, cols, seed=5)))
-    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(2))
-    vectorized = _gemv_x8(LIB, type_name, blocks, cols, x)
-    scale = vectorized.abs().max().item()
-    torch.testing.assert_close(_gemv_x8(portable, type_name, blocks, cols, x), vectorized,
-                               rtol=1e-4, atol=1e-5 * scale)

@@ -18,7 +18,10 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("quant_gemv.c", "q8_gemv.c", "step_ops.c"))
 HEADERS = (Path(__file__).with_name("csrc") / "block_formats.h",)  # in the build's cache key
 # -fopenmp: the output rows are split over torch's OpenMP threads (the same libgomp, loaded by torch first).
-FLAGS = (*BASE_FLAGS, "-fopenmp")
+# -fno-associative-math: every product and sum in the order written, so the inlined copies of one
+# kernel (q8_gemv.c's one-row copy keeps its accumulators in registers) compute the same bits: row r
+# of a several-row GEMV is the one-row GEMV's, as a speculative verification needs.
+FLAGS = (*BASE_FLAGS, "-fopenmp", "-fno-associative-math")
 MAX_X_ROWS = 8  # FM_MAX_X: rows of x one GEMV call takes
 # GGUF type ids of the block formats the kernels read (the file format's numbering).
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
@@ -30,12 +33,19 @@ DECODE_ACTIVATIONS = setting_of(RunSettings, "decode_activations").choices
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
+# fm_kernel_isa's answers: the instruction sets a build's kernels use.
+KERNEL_ISAS = {0: "portable C", 1: "AVX2 + FMA", 2: "AVX-512 (+ VNNI where present)"}
+
+
 @cache
-def library() -> ctypes.CDLL | None:
+def library(path: str | None = None) -> ctypes.CDLL | None:
+    """The model's kernels built for `path` (native_build.KERNEL_PATHS; None: the one
+    FLASHMEMORY_CPU_KERNELS names, else every instruction set this CPU has)."""
     lib = build_library("flashmemory_model", SOURCES, FLAGS, "quantized weights and the fused step operations",
-                        HEADERS)
+                        HEADERS, path)
     if lib is None:
         return None
+    lib.fm_kernel_isa.restype = _INT
     lib.fm_qgemv.restype = _INT
     lib.fm_qgemv.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT]
     lib.fm_dequant_rows.restype = _INT

@@ -88,6 +88,14 @@ def check_native_kernels() -> Check:
         return Check("native_kernels", "warn", "turned off by FLASHMEMORY_NATIVE=0",
                      "unset FLASHMEMORY_NATIVE to use the compiled kernels (decode attention, heat MLP, access "
                      "statistics)")
+    from flashmemory.errors import ConfigError
+    from flashmemory.native_build import kernel_path
+
+    try:
+        path = kernel_path()
+    except ConfigError as e:
+        return Check("native_kernels", "fail", str(e), "unset FLASHMEMORY_CPU_KERNELS or name a path "
+                     "this CPU runs")
     records = _Records()
     log = logging.getLogger("flashmemory.kvcache.native")
     log.addHandler(records)
@@ -101,8 +109,13 @@ def check_native_kernels() -> Check:
         return Check("native_kernels", "warn", f"not built: {why}",
                      "install a C compiler (see c_compiler); the torch fallbacks give the same answers, slower",
                      {"sources": sources})
-    return Check("native_kernels", "pass", f"built and loaded ({', '.join(sources)}): {lib._name}",
-                 data={"library": lib._name, "sources": sources})
+    from flashmemory.model.native import quant_kernels
+
+    model_lib = quant_kernels.library()
+    isa = "not built" if model_lib is None else quant_kernels.KERNEL_ISAS[model_lib.fm_kernel_isa()]
+    return Check("native_kernels", "pass", f"built and loaded ({', '.join(sources)}): {lib._name}; "
+                 f"kernel path {path}, the model's GEMV on {isa}",
+                 data={"library": lib._name, "sources": sources, "kernel_path": path, "model_isa": isa})
 
 
 def check_ram(cfg: EngineConfig) -> Check:

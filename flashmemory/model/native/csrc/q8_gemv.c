@@ -47,6 +47,18 @@ int fm_x8_vectorized(void) {
 #endif
 }
 
+/* The instruction sets this build's kernels use (the compiler's target): 2 AVX-512 (with VNNI for
+ * the integer dots where the CPU has it), 1 AVX2 + FMA, 0 portable C. */
+int fm_kernel_isa(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* One block of 32 values rounded: the scale d and the codes (the one rule both entry points below use). */
 static inline float round_block(const float *v, int8_t *q) {
     float amax = 0.0f;
@@ -100,16 +112,25 @@ static inline float hsum_ps(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* 8 int32 lanes of sum(code * xq) over 4 weights each (lanes 0-3: weights 0..15, 4-7: 16..31), as float */
-static inline __m256 dot_u8(codes32 c, const int8_t *xq) {
-    const __m256i p16 = _mm256_maddubs_epi16(c, _mm256_loadu_si256((const __m256i *)xq));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+/* 8 int32 lanes of sum(code * xq) over 4 weights each (lanes 0-3: weights 0..15, 4-7: 16..31),
+ * as float: unsigned codes times signed x. With AVX-512 VNNI one vpdpbusd; with AVX2 vpmaddubsw
+ * (pairs to int16: at most 2 * 128 * 127, no format saturates) then vpmaddwd: the same sums. */
+static inline __m256i products_u8(__m256i c, __m256i xv) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, xv);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(c, xv), _mm256_set1_epi16(1));
+#endif
 }
 
+static inline __m256 dot_u8(codes32 c, const int8_t *xq) {
+    return _mm256_cvtepi32_ps(products_u8(c, _mm256_loadu_si256((const __m256i *)xq)));
+}
+
+/* signed codes: |code| . (x with code's sign) */
 static inline __m256 dot_s8(codes32 c, const int8_t *xq) {
     const __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
-    const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(xv, c));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+    return _mm256_cvtepi32_ps(products_u8(_mm256_sign_epi8(c, c), _mm256_sign_epi8(xv, c)));
 }
 
 /* 16 nibble bytes (weight j low, j + 16 high) as 32 codes in weight order */
@@ -136,11 +157,12 @@ static inline codes32 fifth_bits(const uint8_t *qh_bytes) {
 }
 
 /* The 32-weight formats, one block against num_x rows of x: `type` is a constant at each call (inlined), so
- * the format's branches fold away. Blocks alternate between two accumulators per row (acc[b & 1]): one chain
- * of multiply-adds would bound the loop by their latency. */
-static inline __attribute__((always_inline)) void block32_x8(const int type, const uint8_t *w, int64_t b,
-                                                             const fm_x8 *x, int64_t x_blocks, int num_x,
-                                                             __m256 *acc, float *bias) {
+ * the format's branches fold away. Blocks alternate between two accumulators per row (`slot`, a
+ * constant at each call, so that with num_x a constant too the accumulators live in registers): one
+ * chain of multiply-adds would bound the loop by their latency. */
+static inline __attribute__((always_inline)) void block32_x8(
+    const int type, const uint8_t *w, int64_t b, const fm_x8 *x, int64_t x_blocks, const int num_x,
+    __m256 *acc, float *bias, const int slot) {
     const float d = half_to_float(w);
     float m = 0.0f;
     codes32 c;
@@ -155,22 +177,34 @@ static inline __attribute__((always_inline)) void block32_x8(const int type, con
         const fm_x8 *xb = x + r * x_blocks + b;
         const int sign = type == FM_Q8_0 || type == FM_IQ4_NL;
         const __m256 s = sign ? dot_s8(c, xb->q) : dot_u8(c, xb->q);
-        acc[2 * r + (b & 1)] = _mm256_fmadd_ps(s, _mm256_set1_ps(d * xb->d), acc[2 * r + (b & 1)]);
-        if (!sign) bias[r] += off * xb->d * (float)(xb->qsum[0] + xb->qsum[1]);
+        acc[2 * r + slot] = _mm256_fmadd_ps(s, _mm256_set1_ps(d * xb->d), acc[2 * r + slot]);
+        if (!sign) bias[2 * r + slot] += off * xb->d * (float)(xb->qsum[0] + xb->qsum[1]);
     }
 }
 
-static inline __attribute__((always_inline)) void row32_x8(const int type, const int bytes, const uint8_t *w,
-                                                           int64_t nb, const fm_x8 *x, int64_t x_blocks,
-                                                           int num_x, __m256 *acc, float *bias) {
-    for (int64_t b = 0; b < nb; b++, w += bytes) block32_x8(type, w, b, x, x_blocks, num_x, acc, bias);
+static inline __attribute__((always_inline)) void row32_x8(
+    const int type, const int bytes, const uint8_t *w, int64_t nb, const fm_x8 *x, int64_t x_blocks,
+    const int num_x, __m256 *acc, float *bias) {
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2, w += 2 * bytes) {
+        block32_x8(type, w, b, x, x_blocks, num_x, acc, bias, 0);
+        block32_x8(type, w + bytes, b + 1, x, x_blocks, num_x, acc, bias, 1);
+    }
+    if (b < nb) block32_x8(type, w, b, x, x_blocks, num_x, acc, bias, 0);
 }
 
-/* One weight row against num_x rows of quantized x; nb counts the format's blocks. */
-static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64_t x_blocks, int num_x, float *out) {
+/* One weight row against num_x rows of quantized x; nb counts the format's blocks. Inlined into a
+ * one-row and an any-rows copy (row_x8 below): with num_x a constant the accumulator arrays are
+ * registers, not memory the loop waits on. */
+static inline __attribute__((always_inline)) void row_x8_rows(
+    int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64_t x_blocks, const int num_x,
+    float *out) {
     __m256 acc[2 * FM_MAX_X];
-    float bias[FM_MAX_X];
-    for (int r = 0; r < num_x; r++) acc[2 * r] = acc[2 * r + 1] = _mm256_setzero_ps(), bias[r] = 0.0f;
+    float bias[2 * FM_MAX_X];
+    for (int r = 0; r < num_x; r++) {
+        acc[2 * r] = acc[2 * r + 1] = _mm256_setzero_ps();
+        bias[2 * r] = bias[2 * r + 1] = 0.0f;
+    }
     switch (type) {
     case FM_Q4_0: row32_x8(FM_Q4_0, 18, w, nb, x, x_blocks, num_x, acc, bias); break;
     case FM_Q4_1: row32_x8(FM_Q4_1, 20, w, nb, x, x_blocks, num_x, acc, bias); break;
@@ -217,8 +251,8 @@ static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64
                     acc[2 * r] = _mm256_fmadd_ps(dot_u8(lo, xb[0].q), _mm256_set1_ps(ds0 * xb[0].d), acc[2 * r]);
                     acc[2 * r + 1] = _mm256_fmadd_ps(dot_u8(hi, xb[1].q), _mm256_set1_ps(ds1 * xb[1].d),
                                                      acc[2 * r + 1]);
-                    bias[r] -= dm0 * xb[0].d * (float)(xb[0].qsum[0] + xb[0].qsum[1])
-                             + dm1 * xb[1].d * (float)(xb[1].qsum[0] + xb[1].qsum[1]);
+                    bias[2 * r] -= dm0 * xb[0].d * (float)(xb[0].qsum[0] + xb[0].qsum[1]);
+                    bias[2 * r + 1] -= dm1 * xb[1].d * (float)(xb[1].qsum[0] + xb[1].qsum[1]);
                 }
             }
         }
@@ -253,7 +287,8 @@ static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64
                         const fm_x8 *xb = x + r * x_blocks + b * 8 + 4 * h + j;
                         __m256 *a = acc + 2 * r + (j & 1);
                         *a = _mm256_fmadd_ps(dot_u8(c, xb->q), _mm256_mul_ps(scale, _mm256_set1_ps(xb->d)), *a);
-                        bias[r] += xb->d * (o0 * (float)xb->qsum[0] + o1 * (float)xb->qsum[1]);
+                        bias[2 * r + (j & 1)] +=
+                            xb->d * (o0 * (float)xb->qsum[0] + o1 * (float)xb->qsum[1]);
                     }
                 }
             }
@@ -285,14 +320,23 @@ static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64
                         const __m256 scale = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
                         __m256 *a = acc + 2 * r + (k & 1);
                         *a = _mm256_fmadd_ps(dot_u8(c[k], xb->q), _mm256_mul_ps(scale, _mm256_set1_ps(xb->d)), *a);
-                        bias[r] -= 32.0f * xb->d * (s0 * (float)xb->qsum[0] + s1 * (float)xb->qsum[1]);
+                        bias[2 * r + (k & 1)] -=
+                            32.0f * xb->d * (s0 * (float)xb->qsum[0] + s1 * (float)xb->qsum[1]);
                     }
                 }
             }
         }
         break;
     }
-    for (int r = 0; r < num_x; r++) out[r] = hsum_ps(_mm256_add_ps(acc[2 * r], acc[2 * r + 1])) + bias[r];
+    for (int r = 0; r < num_x; r++)
+        out[r] = hsum_ps(_mm256_add_ps(acc[2 * r], acc[2 * r + 1]))
+               + (bias[2 * r] + bias[2 * r + 1]);
+}
+
+static void row_x8(int type, const uint8_t *w, int64_t nb, const fm_x8 *x, int64_t x_blocks,
+                   int num_x, float *out) {
+    if (num_x == 1) row_x8_rows(type, w, nb, x, x_blocks, 1, out);
+    else row_x8_rows(type, w, nb, x, x_blocks, num_x, out);
 }
 #else
 /* Portable: the same integer sums, one weight at a time. Each block unpacks into codes and, per 16 weights,

@@ -366,9 +366,11 @@ static float dot_q5_0(const uint8_t *w, int64_t nb, const float *x) {
         uint32_t qh;
         memcpy(&qh, w + 2, 4);
         float s = 0.0f;
-        for (int j = 0; j < 16; j++) {
-            s += (float)(((w[6 + j] & 0x0F) | (((qh >> j) & 1) << 4)) - 16) * x[j];
-            s += (float)(((w[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16) * x[j + 16];
+        for (int j = 0; j < 16; j++) {  /* as int: qh is unsigned, and code - 16 may be negative */
+            const int lo = (w[6 + j] & 0x0F) | (int)(((qh >> j) & 1) << 4);
+            const int hi = (w[6 + j] >> 4) | (int)(((qh >> (j + 16)) & 1) << 4);
+            s += (float)(lo - 16) * x[j];
+            s += (float)(hi - 16) * x[j + 16];
         }
         acc += half_to_float(w) * s;
     }
