@@ -15,6 +15,7 @@ from flashmemory.model.cuda_weights import tensor_bytes
 from flashmemory.model.linear import DenseLinear, DequantWorkspace, QuantizedEmbedding, QuantizedLinear
 from flashmemory.model.model_config import ModelConfig
 from flashmemory.model.native import step_ops
+from flashmemory.model.native.decode_layer import FusedDecodeLayer
 from flashmemory.model.quantized import QuantizedTensor
 from flashmemory.model.rope import RotaryEmbedding
 
@@ -96,7 +97,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention block then pre-norm MLP block, each with a residual."""
+    """Pre-norm attention block then pre-norm MLP block, each with a residual. A decode step's few
+    rows go through two native calls around the KV cache where the weights allow
+    (native/decode_layer.py: the same bits as the per-op path); `fused_decode = False` on a layer
+    keeps it per op."""
+
+    fused_decode = True
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -104,8 +110,17 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        # False: not looked at yet (the weights load after construction)
+        self._fused: FusedDecodeLayer | None | bool = False
 
     def forward(self, x, cos, sin, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
+        if self.fused_decode:
+            if self._fused is False:
+                self._fused = FusedDecodeLayer.build(self)
+            fused = self._fused
+            if fused is not None and fused.takes(x, cos):
+                q, k, v = fused.pre(x, cos, sin)
+                return fused.post(x, cache.attend(self.self_attn.layer_idx, batch, q, k, v))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 

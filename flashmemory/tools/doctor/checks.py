@@ -94,8 +94,8 @@ def check_native_kernels() -> Check:
     try:
         path = kernel_path()
     except ConfigError as e:
-        return Check("native_kernels", "fail", str(e), "unset FLASHMEMORY_CPU_KERNELS or name a path "
-                     "this CPU runs")
+        return Check("native_kernels", "fail", str(e),
+                     "unset FLASHMEMORY_CPU_KERNELS or name a path this CPU runs")
     records = _Records()
     log = logging.getLogger("flashmemory.kvcache.native")
     log.addHandler(records)
@@ -113,9 +113,10 @@ def check_native_kernels() -> Check:
 
     model_lib = quant_kernels.library()
     isa = "not built" if model_lib is None else quant_kernels.KERNEL_ISAS[model_lib.fm_kernel_isa()]
-    return Check("native_kernels", "pass", f"built and loaded ({', '.join(sources)}): {lib._name}; "
-                 f"kernel path {path}, the model's GEMV on {isa}",
-                 data={"library": lib._name, "sources": sources, "kernel_path": path, "model_isa": isa})
+    summary = f"built and loaded ({', '.join(sources)}): {lib._name}"
+    return Check("native_kernels", "pass", f"{summary}; kernel path {path}, model GEMV on {isa}",
+                 data={"library": lib._name, "sources": sources, "kernel_path": path,
+                       "model_isa": isa})
 
 
 def check_ram(cfg: EngineConfig) -> Check:
