@@ -1,6 +1,8 @@
 """Where one decode step goes: weights (every projection and the LM head), attention (the decode kernel and the
 reads it needs), selection (Quest block scoring and the read plan) and glue (everything else: norms, RoPE,
 SwiGLU, residuals, Python), median ms over teacher-forced steps at one context length.
+Where a layer runs as two native calls (model/native/decode_layer.py), its norms, RoPE, SwiGLU
+and residuals count as weights (microseconds a layer beside its GEMVs).
 
 Timers wrap functions at call time (torch.nn.functional.linear, QuantizedLinear.forward where it exists, the
 tiered cache's reader.choose_batch / reader.plan and attention.decode_batch, or the
@@ -78,6 +80,13 @@ def main() -> int:
 
         QuantizedLinear.forward = timers.wrap("weights", QuantizedLinear.forward)
     except ImportError:  # a checkout before block-format weights
+        pass
+    try:  # a decode layer as two native calls: its GEMVs with the norms, RoPE, SwiGLU, residuals
+        from flashmemory.model.native.decode_layer import FusedDecodeLayer
+
+        FusedDecodeLayer.pre = timers.wrap("weights", FusedDecodeLayer.pre)
+        FusedDecodeLayer.post = timers.wrap("weights", FusedDecodeLayer.post)
+    except ImportError:  # a checkout before it
         pass
     cache = engine.cache
     if hasattr(cache, "reader"):
