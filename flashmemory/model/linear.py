@@ -73,9 +73,10 @@ class DenseLinear(nn.Linear):
 
 class QuantizedLinear(nn.Module):
     """y = x W^T (+ b) with W stored as row parts ([q; k; v] or [gate; up]), each quantized or
-    dense. `float_activations`: decode keeps x in float32 whatever the workspace's activations (the LM
-    head: its logits are what a user sees, and rounding its x to 8 bits was the largest share of
-    int8's KL on SmolLM2)."""
+    dense. `float_activations` (the LM head): decode keeps x in float32 for the parts whose format
+    has a one-row float dot, whatever the workspace's activations (the head's logits are what a
+    user sees, and rounding its x was the largest share of int8's KL on SmolLM2); a head in another
+    format (Qwen2.5-1.5B's Q6_K) follows the workspace (quant_kernels.int8_for_head)."""
 
     def __init__(self, parts: list[Part], bias: torch.Tensor | None, workspace: DequantWorkspace,
                  float_activations: bool = False) -> None:
@@ -84,8 +85,8 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.workspace = workspace
         # Per part: whether its GEMV rounds x to 8 bits (by its format; never for the LM head).
-        self.int8_parts = [isinstance(p, QuantizedTensor) and not float_activations
-                           and quant_kernels.int8_for(workspace.activations, p.type_name)
+        rule = quant_kernels.int8_for_head if float_activations else quant_kernels.int8_for
+        self.int8_parts = [isinstance(p, QuantizedTensor) and rule(workspace.activations, p.type_name)
                            for p in self.parts]
         self.int8_activations = any(self.int8_parts)
         self.out_features = sum(p.shape[0] for p in self.parts)

@@ -90,3 +90,11 @@ def test_the_setting_resolves_by_what_the_cpu_runs_and_auto_by_format():
     assert not any(quant_kernels.int8_for("float32", f) for f in FORMATS)
     with pytest.raises(ValueError, match="decode_activations='int4'"):
         quant_kernels.resolve_decode_activations("int4", LIB)
+
+
+def test_the_head_keeps_float_x_only_where_its_format_has_a_one_row_float_dot():
+    one_row = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
+    for mode in ("auto", "int8"):
+        assert [f for f in FORMATS if quant_kernels.int8_for_head(mode, f)] == [
+            f for f in FORMATS if f not in one_row]  # a Q6_K head (Qwen2.5-1.5B) rounds x
+    assert not any(quant_kernels.int8_for_head("float32", f) for f in FORMATS)

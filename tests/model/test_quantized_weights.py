@@ -260,8 +260,8 @@ def test_int8_activations_stay_within_their_rounding_of_the_float_logits(tmp_pat
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K"])
 def test_auto_rounds_x_only_for_the_formats_without_a_one_row_float_dot(tmp_path, type_name):
     """decode_activations="auto" where AVX2 is: Q4_K's projections take int8 x, Q4_1's float x
-    (its float dot is vectorized: int8 gains little there and costs the smallest models), the LM
-    head float x always."""
+    (its float dot is vectorized: int8 costs the smallest models), the Q8_0 LM head float x (a
+    head in a format without a one-row float dot rounds x: test_q8_gemv)."""
     model = build_model(_tiny_gguf(tmp_path, type_name), torch.device("cpu"), torch.float32)
     if model.workspace.activations != "auto":
         pytest.skip("no AVX2: auto is float32 here")
