@@ -46,7 +46,8 @@ class RunSettings:
         "logits off by ~0.5 % of a dot's size), float32 (x as it is: the float32-dequantized "
         "model's logits to summation error), auto (int8 for the K-quants, Q5_1 and IQ4, whose "
         "float path dequantizes each block; float32 for Q4_0/Q4_1/Q5_0/Q8_0 and without AVX2). "
-        "The decoder layers' projections, prefill rows rounded alike; the LM head keeps float32 x",
+        "The decoder layers' projections, prefill rows rounded alike; the LM head keeps float32 x "
+        "where its format has a one-row float dot (Q4_0/Q4_1/Q5_0/Q8_0), else follows this",
         choices=("auto", "int8", "float32"))
     max_seq_len: int | None = setting(
         None, "longest sequence (prompt + generated); None = the model's limit", unit="tokens", ge=2)
