@@ -258,7 +258,8 @@ static inline __m256 q4_1_block(const uint8_t *w, const float *x) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* AVX-512: a block's 16 low and 16 high nibbles each widened to 16 float lanes at once */
-static inline __m512 q4_1_block16(const uint8_t *w, const float *x) {
+typedef __m512 q4_1_sums;
+static inline q4_1_sums q4_1_dot_block(const uint8_t *w, const float *x) {
     const __m128i low4 = _mm_set1_epi8(0x0F);
     const __m128i q = _mm_loadu_si128((const __m128i *)(w + 4));
     const __m128i hi4 = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
@@ -266,41 +267,42 @@ static inline __m512 q4_1_block16(const uint8_t *w, const float *x) {
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi4));
     return _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(x)));
 }
-
-static float dot_q4_1(const uint8_t *w, int64_t nb, const float *x, const float *xsum) {
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    float bias0 = 0.0f, bias1 = 0.0f;
-    int64_t i = 0;
-    for (; i + 1 < nb; i += 2, w += 40, x += 64) {
-        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(half_at(w)), q4_1_block16(w, x), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_set1_ps(half_at(w + 20)), q4_1_block16(w + 20, x + 32), acc1);
-        bias0 += half_at(w + 2) * xsum[i];
-        bias1 += half_at(w + 22) * xsum[i + 1];
-    }
-    if (i < nb) {
-        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(half_at(w)), q4_1_block16(w, x), acc0);
-        bias0 += half_at(w + 2) * xsum[i];
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + (bias0 + bias1);
+static inline q4_1_sums q4_1_zero(void) { return _mm512_setzero_ps(); }
+static inline q4_1_sums q4_1_scaled(float d, q4_1_sums v, q4_1_sums acc) {
+    return _mm512_fmadd_ps(_mm512_set1_ps(d), v, acc);
+}
+static inline float q4_1_total(q4_1_sums a, q4_1_sums b) {
+    return _mm512_reduce_add_ps(_mm512_add_ps(a, b));
 }
 #else
+typedef __m256 q4_1_sums;
+static inline q4_1_sums q4_1_dot_block(const uint8_t *w, const float *x) {
+    return q4_1_block(w, x);
+}
+static inline q4_1_sums q4_1_zero(void) { return _mm256_setzero_ps(); }
+static inline q4_1_sums q4_1_scaled(float d, q4_1_sums v, q4_1_sums acc) {
+    return _mm256_fmadd_ps(_mm256_set1_ps(d), v, acc);
+}
+static inline float q4_1_total(q4_1_sums a, q4_1_sums b) { return hsum256(_mm256_add_ps(a, b)); }
+#endif
+
+/* One loop for either width: the block's lanes, its scale, its min times x's block sum (xsum). */
 static float dot_q4_1(const uint8_t *w, int64_t nb, const float *x, const float *xsum) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    q4_1_sums acc0 = q4_1_zero(), acc1 = q4_1_zero();
     float bias0 = 0.0f, bias1 = 0.0f;
     int64_t i = 0;
     for (; i + 1 < nb; i += 2, w += 40, x += 64) {
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q4_1_block(w, x), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w + 20)), q4_1_block(w + 20, x + 32), acc1);
+        acc0 = q4_1_scaled(half_at(w), q4_1_dot_block(w, x), acc0);
+        acc1 = q4_1_scaled(half_at(w + 20), q4_1_dot_block(w + 20, x + 32), acc1);
         bias0 += half_at(w + 2) * xsum[i];
         bias1 += half_at(w + 22) * xsum[i + 1];
     }
     if (i < nb) {
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w)), q4_1_block(w, x), acc0);
+        acc0 = q4_1_scaled(half_at(w), q4_1_dot_block(w, x), acc0);
         bias0 += half_at(w + 2) * xsum[i];
     }
-    return hsum256(_mm256_add_ps(acc0, acc1)) + (bias0 + bias1);
+    return q4_1_total(acc0, acc1) + (bias0 + bias1);
 }
-#endif
 
 /* Blocks that are an fp16 scale then codes: sum of scale * (codes . x) over nb blocks, two blocks a round in two
  * accumulators. `block` is a compile-time constant at every call, so it is inlined. */
