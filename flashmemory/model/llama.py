@@ -118,7 +118,7 @@ class DecoderLayer(nn.Module):
             if self._fused is False:
                 self._fused = FusedDecodeLayer.build(self)
             fused = self._fused
-            if fused is not None and fused.takes(x, cos):
+            if fused is not None and fused.takes(x, cos, sin):
                 q, k, v = fused.pre(x, cos, sin)
                 return fused.post(x, cache.attend(self.self_attn.layer_idx, batch, q, k, v))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch)

@@ -55,7 +55,7 @@ def test_a_few_rows_at_once_are_fused_too(tmp_path):
     x = torch.randn(5, 64)
     cos, sin = model.rotary.cos_sin(torch.arange(5), 5)
     fused = FusedDecodeLayer.build(layer)
-    assert fused is not None and fused.takes(x, cos.contiguous())
+    assert fused is not None and fused.takes(x, cos.contiguous(), sin.contiguous())
     q, k, v = fused.pre(x, cos.contiguous(), sin.contiguous())
     attn = torch.randn(5, layer.self_attn.num_heads, layer.self_attn.head_dim)
     out = fused.post(x, attn)
@@ -70,7 +70,7 @@ def test_a_few_rows_at_once_are_fused_too(tmp_path):
     assert torch.equal(q, qq) and torch.equal(k, kk) and torch.equal(v, vv.view_as(v))
     h = x + layer.self_attn.o_proj(attn.reshape(5, -1))
     assert torch.equal(out, h + layer.mlp(layer.post_attention_layernorm(h)))
-    assert not fused.takes(torch.randn(quant_kernels.MAX_X_ROWS + 1, 64), cos)
+    assert not fused.takes(torch.randn(quant_kernels.MAX_X_ROWS + 1, 64), cos, sin)
 
 
 def test_layers_it_cannot_take_keep_the_per_op_path(tmp_path):

@@ -68,7 +68,8 @@ def _float_cpu(t: torch.Tensor) -> bool:
 
 
 class FusedDecodeLayer:
-    """The two calls for one layer; `takes(x, cos)` says whether a forward's rows can use them."""
+    """The two calls for one layer; `takes(x, cos, sin)` says whether a forward's rows can use
+    them."""
 
     def __init__(self, lib: ctypes.CDLL, layer: torch.nn.Module, qkv: _Projection, o: _Projection,
                  gate_up: _Projection, down: _Projection) -> None:
@@ -81,6 +82,7 @@ class FusedDecodeLayer:
         self.inter = mlp.intermediate_size
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self._widest = max(qkv.cols, o.cols, gate_up.cols, down.cols)  # x8 rows are this wide
         self._x8 = torch.empty(0, dtype=torch.uint8)
 
     @staticmethod
@@ -99,13 +101,12 @@ class FusedDecodeLayer:
         qkv, o, gate_up, down = projections
         return FusedDecodeLayer(lib, layer, qkv, o, gate_up, down)
 
-    def takes(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
+    def takes(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         return (x.dim() == 2 and 0 < x.shape[0] <= quant_kernels.MAX_X_ROWS and _float_cpu(x)
-                and _float_cpu(cos))
+                and _float_cpu(cos) and _float_cpu(sin))
 
     def _xq(self, rows: int) -> torch.Tensor:
-        widest = max(self.qkv.cols, self.o.cols, self.gate_up.cols, self.down.cols)
-        size = quant_kernels.x8_bytes(self.lib, rows, widest)
+        size = quant_kernels.x8_bytes(self.lib, rows, self._widest)
         if self._x8.numel() < size:
             self._x8 = torch.empty(size, dtype=torch.uint8)
         return self._x8
@@ -118,7 +119,7 @@ class FusedDecodeLayer:
         normed = torch.empty(rows, self.dim)
         rc = self.lib.fm_layer_pre(x.data_ptr(), rows, self.dim, self.norm1.weight.data_ptr(),
                                    self.norm1.eps, self.qkv.ref, self.heads, self.kv_heads,
-                                   self.head_dim, cos.data_ptr(), sin.contiguous().data_ptr(),
+                                   self.head_dim, cos.data_ptr(), sin.data_ptr(),
                                    normed.data_ptr(), self._xq(rows).data_ptr(), out.data_ptr(),
                                    torch.get_num_threads())
         if rc != 0:
