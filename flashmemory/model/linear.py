@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashmemory.model.native import quant_kernels
+from flashmemory.model.native.projection import NativeProjection
 from flashmemory.model.quantized import QuantizedTensor
 
 # float32 weights per prefill tile (16 MiB): a layer's matrices fit whole (one GEMM each, as dense weights get:
@@ -34,13 +35,18 @@ class DequantWorkspace:
         self.native = quant_kernels.library()
         self.activations = quant_kernels.resolve_decode_activations(decode_activations, self.native)
 
-    def quantized_x(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, cols] float32 rounded to 8 bits (valid until the next call)."""
-        size = quant_kernels.x8_bytes(self.native, x.shape[0], x.shape[1])
+    def x8_room(self, rows: int, cols: int) -> torch.Tensor:
+        """The buffer 8-bit x is written into, with room for `rows` rows of `cols` values."""
+        size = quant_kernels.x8_bytes(self.native, rows, cols)
         if self._x8.numel() < size:
             self._x8 = torch.empty(size, dtype=torch.uint8)
-        quant_kernels.quantize_x8(self.native, x, self._x8)
         return self._x8
+
+    def quantized_x(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, cols] float32 rounded to 8 bits (valid until the next call)."""
+        room = self.x8_room(x.shape[0], x.shape[1])
+        quant_kernels.quantize_x8(self.native, x, room)
+        return room
 
     def tile(self, num_rows: int, cols: int) -> torch.Tensor:
         if self._buffer.numel() < num_rows * cols:
@@ -91,19 +97,21 @@ class QuantizedLinear(nn.Module):
         self.int8_activations = any(self.int8_parts)
         self.out_features = sum(p.shape[0] for p in self.parts)
         _register(self, self.parts)
-        # The decode path's GEMV calls, argument tuples prepared once: (8-bit x, type id, blocks, rows,
-        # cols, row bytes, first output column); None when a part is dense or the kernels are absent.
-        self._calls: list[tuple[bool, int, int, int, int, int, int]] | None = None
+        # The decode path's one native call over every part, prepared once; None when a part is
+        # dense or the kernels are absent.
+        self.native_projection: NativeProjection | None = None
         if workspace.native is not None and all(isinstance(p, QuantizedTensor) for p in self.parts):
-            self._calls, start = [], 0
+            calls, start = [], 0
             for p, int8 in zip(self.parts, self.int8_parts):
-                self._calls.append((int8, quant_kernels.TYPE_IDS[p.type_name], p.blocks.data_ptr(),
-                                    p.rows, p.cols, p.blocks.shape[1], start))
+                calls.append((int8, quant_kernels.TYPE_IDS[p.type_name], p.blocks, p.cols, start))
                 start += p.rows
+            self.native_projection = NativeProjection(workspace.native, calls, self.out_features,
+                                                      self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        if self._calls is not None and x.dim() == 2 and 0 < x.shape[0] <= quant_kernels.MAX_X_ROWS \
+        if self.native_projection is not None and x.dim() == 2 \
+                and 0 < x.shape[0] <= quant_kernels.MAX_X_ROWS \
                 and x.dtype == torch.float32:
             return self._decode(x.contiguous())
         lead = x.shape[:-1]
@@ -127,25 +135,10 @@ class QuantizedLinear(nn.Module):
         return out.to(x.dtype).reshape(*lead, self.out_features)
 
     def _decode(self, x: torch.Tensor) -> torch.Tensor:
-        """The few-rows path with nothing between the caller and the kernel but one call per part
-        (x rounded to 8 bits once, for the parts that take it)."""
-        native = self.workspace.native
+        """The few-rows path with nothing between the caller and the kernels but one native call
+        (x rounded to 8 bits once, for the parts that take it; each part's GEMV; the bias)."""
         out = torch.empty(x.shape[0], self.out_features)
-        threads = torch.get_num_threads()
-        x_ptr, num_x, x_stride, out_ptr = x.data_ptr(), x.shape[0], x.stride(0), out.data_ptr()
-        xq_ptr = self.workspace.quantized_x(x).data_ptr() if self.int8_activations else 0
-        for int8, type_id, blocks, rows, cols, row_bytes, start in self._calls:
-            if int8:
-                rc = native.fm_qgemv_x8(type_id, blocks, rows, cols, row_bytes, xq_ptr, num_x,
-                                        out_ptr + 4 * start, self.out_features, threads)
-            else:
-                rc = native.fm_qgemv(type_id, blocks, rows, cols, row_bytes, x_ptr, num_x, x_stride,
-                                     out_ptr + 4 * start, self.out_features, threads)
-            if rc != 0:
-                raise ValueError(f"the decode GEMV refused a weight of {rows} x {cols} "
-                                 f"(type {type_id}, code {rc})")
-        if self.bias is not None:
-            out += self.bias
+        self.native_projection.project(x, self.workspace.x8_room(x.shape[0], x.shape[1]), out)
         return out
 
     def _project(self, part: Part, x: torch.Tensor, out: torch.Tensor, int8: bool) -> None:

@@ -14,18 +14,9 @@ import torch
 
 from flashmemory.model.linear import QuantizedLinear
 from flashmemory.model.native import quant_kernels
+from flashmemory.model.native.projection import NativeProjection
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-
-
-class _Part(ctypes.Structure):
-    _fields_ = [("int8", _I64), ("type", _I64), ("blocks", _PTR), ("rows", _I64), ("cols", _I64),
-                ("row_bytes", _I64), ("start", _I64)]
-
-
-class _Proj(ctypes.Structure):
-    _fields_ = [("parts", ctypes.POINTER(_Part)), ("num_parts", _I64), ("out_features", _I64),
-                ("bias", _PTR), ("any_int8", _I64)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -40,27 +31,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib._fm_layer_declared = True
 
 
-class _Projection:
-    """A QuantizedLinear's decode calls as the C struct (kept alive with what it points into)."""
-
-    def __init__(self, linear: QuantizedLinear) -> None:
-        calls = linear._calls
-        assert calls is not None
-        self.parts = (_Part * len(calls))(*(_Part(int(i8), t, b, r, c, rb, s)
-                                            for i8, t, b, r, c, rb, s in calls))
-        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
-        self.struct = _Proj(self.parts, len(calls), linear.out_features,
-                            None if self.bias is None else self.bias.data_ptr(),
-                            int(linear.int8_activations))
-        self.ref = ctypes.byref(self.struct)
-        self.cols = calls[0][4]
-        self.out_features = linear.out_features
-
-
-def _native_projection(linear: object) -> _Projection | None:
-    if not isinstance(linear, QuantizedLinear) or linear._calls is None:
-        return None
-    return _Projection(linear)
+def _native_projection(linear: object) -> NativeProjection | None:
+    return linear.native_projection if isinstance(linear, QuantizedLinear) else None
 
 
 def _float_cpu(t: torch.Tensor) -> bool:
@@ -71,8 +43,8 @@ class FusedDecodeLayer:
     """The two calls for one layer; `takes(x, cos, sin)` says whether a forward's rows can use
     them."""
 
-    def __init__(self, lib: ctypes.CDLL, layer: torch.nn.Module, qkv: _Projection, o: _Projection,
-                 gate_up: _Projection, down: _Projection) -> None:
+    def __init__(self, lib: ctypes.CDLL, layer: torch.nn.Module, qkv: NativeProjection,
+                 o: NativeProjection, gate_up: NativeProjection, down: NativeProjection) -> None:
         _declare(lib)
         self.lib = lib
         attn, mlp = layer.self_attn, layer.mlp

@@ -1,61 +1,21 @@
 /* One decoder layer of a decode step in two native calls, Python only for the KV cache between:
  *   fm_layer_pre:  RMSNorm -> the q/k/v projection (+ bias) -> RoPE on q and k, in place
  *   fm_layer_post: o projection -> residual -> RMSNorm -> gate/up -> SwiGLU -> down -> residual
- * Each step is the very function the per-op path of llama.py calls (fm_rmsnorm, fm_quantize_x8,
- * fm_qgemv / fm_qgemv_x8, fm_rope, fm_swiglu) in the same order on the same float32 rows, and the
- * bias and residual adds are the single float additions torch makes, so both paths compute the
- * same bits: the fusion removes ~20 torch dispatches and Python calls per layer, not arithmetic. */
+ * Each step is the very function the per-op path of llama.py calls (fm_rmsnorm, fm_project,
+ * fm_rope, fm_swiglu) in the same order on the same float32 rows, and the residual adds are the
+ * single float additions torch makes, so both paths compute the same bits: the fusion removes
+ * ~20 torch dispatches and Python calls per layer, not arithmetic. */
 #include <stddef.h>
 #include <stdint.h>
 
-/* the functions of quant_gemv.c, q8_gemv.c and step_ops.c (one library) */
-int fm_qgemv(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t row_bytes,
-             const float *x, int64_t num_x, int64_t x_stride, float *y, int64_t y_stride,
-             int num_threads);
-int fm_qgemv_x8(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t row_bytes,
-                const void *x, int64_t num_x, float *y, int64_t y_stride, int num_threads);
-void fm_quantize_x8(const float *x, int64_t num_x, int64_t x_stride, int64_t cols, void *xq);
+#include "projection.h"
+
+/* the functions of step_ops.c (one library with projection.c) */
 void fm_rmsnorm(const float *x, int64_t x_stride, const float *w, int64_t T, int64_t dim, float eps,
                 float *out);
 void fm_rope(float *x, int64_t x_stride, int64_t T, int64_t H, int64_t D, const float *cos_t,
              const float *sin_t);
 void fm_swiglu(const float *gu, int64_t T, int64_t I, float *out);
-
-/* One stored part of a projection's rows ([q; k; v] or [gate; up] may be one part or several). */
-typedef struct {
-    int64_t int8;       /* 1: x rounded to 8 bits for this part (decode_activations by format) */
-    int64_t type;       /* GGUF type id */
-    const uint8_t *blocks;
-    int64_t rows, cols, row_bytes;
-    int64_t start;      /* its first output column */
-} fm_part;
-
-typedef struct {
-    const fm_part *parts;
-    int64_t num_parts;
-    int64_t out_features;
-    const float *bias;  /* NULL or [out_features] */
-    int64_t any_int8;
-} fm_proj;
-
-/* y [num_x][out_features] = x W^T (+ b), as QuantizedLinear._decode computes it. */
-static int project(const fm_proj *p, const float *x, int64_t num_x, int64_t x_stride, void *xq,
-                   float *y, int threads) {
-    if (p->any_int8) fm_quantize_x8(x, num_x, x_stride, p->parts[0].cols, xq);
-    for (int64_t i = 0; i < p->num_parts; i++) {
-        const fm_part *q = p->parts + i;
-        const int rc = q->int8
-            ? fm_qgemv_x8((int)q->type, q->blocks, q->rows, q->cols, q->row_bytes, xq, num_x,
-                          y + q->start, p->out_features, threads)
-            : fm_qgemv((int)q->type, q->blocks, q->rows, q->cols, q->row_bytes, x, num_x, x_stride,
-                       y + q->start, p->out_features, threads);
-        if (rc != 0) return rc;
-    }
-    if (p->bias != NULL)
-        for (int64_t r = 0; r < num_x; r++)
-            for (int64_t c = 0; c < p->out_features; c++) y[r * p->out_features + c] += p->bias[c];
-    return 0;
-}
 
 /* x [T][dim] -> qkv [T][q + 2 kv] with q and k rotated by cos/sin [T][head_dim]; normed [T][dim]
  * and xq (fm_x8 blocks for T rows of dim) are scratch. Returns 0 or a GEMV's refusal code. */
@@ -64,7 +24,7 @@ int fm_layer_pre(const float *x, int64_t T, int64_t dim, const float *norm_w, fl
                  const float *cos_t, const float *sin_t, float *normed, void *xq, float *out,
                  int threads) {
     fm_rmsnorm(x, dim, norm_w, T, dim, eps, normed);
-    const int rc = project(qkv, normed, T, dim, xq, out, threads);
+    const int rc = fm_project(qkv, normed, T, dim, xq, out, threads);
     if (rc != 0) return rc;
     fm_rope(out, qkv->out_features, T, heads, head_dim, cos_t, sin_t);
     fm_rope(out + heads * head_dim, qkv->out_features, T, kv_heads, head_dim, cos_t, sin_t);
@@ -78,13 +38,13 @@ int fm_layer_post(const float *x, const float *attn, int64_t attn_stride, int64_
                   const fm_proj *o, const float *norm_w, float eps, const fm_proj *gate_up,
                   const fm_proj *down, int64_t inter, float *proj, float *normed, float *gu,
                   float *hidden, void *xq, float *x_out, int threads) {
-    int rc = project(o, attn, T, attn_stride, xq, proj, threads);
+    int rc = fm_project(o, attn, T, attn_stride, xq, proj, threads);
     if (rc != 0) return rc;
     for (int64_t i = 0; i < T * dim; i++) x_out[i] = x[i] + proj[i];
     fm_rmsnorm(x_out, dim, norm_w, T, dim, eps, normed);
-    if ((rc = project(gate_up, normed, T, dim, xq, gu, threads)) != 0) return rc;
+    if ((rc = fm_project(gate_up, normed, T, dim, xq, gu, threads)) != 0) return rc;
     fm_swiglu(gu, T, inter, hidden);
-    if ((rc = project(down, hidden, T, inter, xq, proj, threads)) != 0) return rc;
+    if ((rc = fm_project(down, hidden, T, inter, xq, proj, threads)) != 0) return rc;
     for (int64_t i = 0; i < T * dim; i++) x_out[i] += proj[i];
     return 0;
 }
