@@ -30,7 +30,8 @@ from flashmemory.kvcache.levels.tensor_pool import TensorPool
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.native.loader import FLAGS, declare_decode_attention
 from flashmemory.kvcache.quant import Codec
-from flashmemory.model.native.quant_kernels import library, qgemv, qgemv_x8, quantize_x8, x8_bytes
+from flashmemory.model.native.quant_kernels import (TYPE_IDS, library, qgemv, qgemv_x8, quantize_x8,
+                                                    x8_bytes, x8_layouts)
 from flashmemory.native_build import build_library
 
 LAYERS, HEADS, GROUP, BLOCK, DIM = 30, 3, 3, 16, 64
@@ -89,12 +90,13 @@ def gemv(rng: np.random.Generator) -> None:
             for num_x in (1, 5):
                 x, y = torch.randn(num_x, cols), torch.empty(num_x, rows)
                 xq = torch.empty(x8_bytes(lib, num_x, cols), dtype=torch.uint8)
+                layouts = x8_layouts(lib, [TYPE_IDS[type_name]])
 
                 def float_path() -> None:
                     qgemv(lib, type_name, blocks, cols, x, y)
 
                 def int8_path() -> None:
-                    quantize_x8(lib, x, xq)
+                    quantize_x8(lib, x, xq, layouts)
                     qgemv_x8(lib, type_name, blocks, cols, xq, num_x, y)
 
                 f32, i8 = [], []

@@ -42,10 +42,11 @@ class DequantWorkspace:
             self._x8 = torch.empty(size, dtype=torch.uint8)
         return self._x8
 
-    def quantized_x(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, cols] float32 rounded to 8 bits (valid until the next call)."""
+    def quantized_x(self, x: torch.Tensor, layouts: int) -> torch.Tensor:
+        """x [n, cols] float32 rounded to 8 bits in the layouts `layouts` names
+        (quant_kernels.x8_layouts; valid until the next call)."""
         room = self.x8_room(x.shape[0], x.shape[1])
-        quant_kernels.quantize_x8(self.native, x, room)
+        quant_kernels.quantize_x8(self.native, x, room, layouts)
         return room
 
     def tile(self, num_rows: int, cols: int) -> torch.Tensor:
@@ -150,8 +151,9 @@ class QuantizedLinear(nn.Module):
             return
         if native is not None and x.shape[0] <= quant_kernels.MAX_X_ROWS:
             if int8:
+                layouts = quant_kernels.x8_layouts(native, [quant_kernels.TYPE_IDS[part.type_name]])
                 quant_kernels.qgemv_x8(native, part.type_name, part.blocks, part.cols,
-                                       self.workspace.quantized_x(x), x.shape[0], out)
+                                       self.workspace.quantized_x(x, layouts), x.shape[0], out)
             else:
                 quant_kernels.qgemv(native, part.type_name, part.blocks, part.cols, x, out)
             return

@@ -1,5 +1,6 @@
 """The decode GEMV with 8-bit activations (csrc/q8_gemv.c): for every block format it computes
-exactly the float32-dequantized weights times x rounded to 8 bits per 32 values, its rows do not
+exactly the float32-dequantized weights times x rounded to 8 bits per 32 values (read in blocks of
+32 by the 32-weight formats, in super-blocks of 256 by the K-quants and IQ4_XS), its rows do not
 depend on how many rows one call takes (the portable and AVX2 builds: test_kernel_paths.py)."""
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def test_the_product_is_the_dequantized_weights_times_the_rounded_x(type_name, n
     w = _reference(raw, type_name, rows, cols)
     out = _gemv_x8(LIB, type_name, blocks, cols, x)
     rounded, exact = _rounded(x) @ w.T, x @ w.T
+    kernel_rounded = x.clone()  # the prefill path's rounding is this rule too
+    quant_kernels.round_x8(LIB, kernel_rounded)
+    torch.testing.assert_close(kernel_rounded, _rounded(x), rtol=0, atol=1e-6)
 
     def error(y):
         return ((out - y).norm() / y.norm()).item()

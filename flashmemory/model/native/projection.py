@@ -8,6 +8,8 @@ import ctypes
 
 import torch
 
+from flashmemory.model.native import quant_kernels
+
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
@@ -18,7 +20,7 @@ class _Part(ctypes.Structure):
 
 class _Proj(ctypes.Structure):
     _fields_ = [("parts", ctypes.POINTER(_Part)), ("num_parts", _I64), ("out_features", _I64),
-                ("bias", _PTR), ("any_int8", _I64)]
+                ("bias", _PTR), ("x8_layouts", _I64)]
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -39,12 +41,12 @@ class NativeProjection:
             _Part(int(int8), type_id, blocks.data_ptr(), blocks.shape[0], cols, blocks.shape[1],
                   start) for int8, type_id, blocks, cols, start in parts))
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.any_int8 = any(int8 for int8, *_ in parts)
+        self.x8_layouts = quant_kernels.x8_layouts(lib, [t for int8, t, *_ in parts if int8])
         self.cols, self.out_features = parts[0][3], out_features
         self.describe = ", ".join(f"type {type_id}: {blocks.shape[0]} x {cols}"
                                   for _, type_id, blocks, cols, _ in parts)
         self.struct = _Proj(self.parts, len(parts), out_features,
-                            None if self.bias is None else self.bias.data_ptr(), int(self.any_int8))
+                            None if self.bias is None else self.bias.data_ptr(), self.x8_layouts)
         self.ref = ctypes.byref(self.struct)
 
     def project(self, x: torch.Tensor, xq: torch.Tensor, out: torch.Tensor) -> None:

@@ -53,12 +53,15 @@ def library(path: str | None = None) -> ctypes.CDLL | None:
     lib.fm_dequant_rows.restype = _INT
     lib.fm_dequant_rows.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _INT]
     lib.fm_quantize_x8.restype = None
-    lib.fm_quantize_x8.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
+    lib.fm_quantize_x8.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _INT]
     lib.fm_qgemv_x8.restype = _INT
     lib.fm_qgemv_x8.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]
     lib.fm_round_x8.restype = None
     lib.fm_round_x8.argtypes = [_PTR, _I64, _I64, _I64, _INT]
-    lib.fm_x8_block_bytes.restype = _I64
+    lib.fm_x8_bytes.restype = _I64
+    lib.fm_x8_bytes.argtypes = [_I64, _I64]
+    lib.fm_x8_layout.restype = _INT
+    lib.fm_x8_layout.argtypes = [_INT]
     lib.fm_x8_vectorized.restype = _INT
     lib.fm_rmsnorm.restype = None
     lib.fm_rmsnorm.argtypes = [_PTR, _I64, _PTR, _I64, _I64, ctypes.c_float, _PTR]
@@ -121,14 +124,24 @@ def int8_for_head(activations: str, type_name: str) -> bool:
     return type_name not in FLOAT_ONE_ROW_FORMATS and int8_for(activations, type_name)
 
 
+def x8_layouts(lib: ctypes.CDLL, type_ids: list[int]) -> int:
+    """fm_quantize_x8's `layouts` for the 8-bit GEMVs of weights of these formats (GGUF type ids):
+    x in blocks of 32 for the 32-weight formats, in super-blocks of 256 for the others."""
+    bits = 0
+    for type_id in type_ids:
+        bits |= lib.fm_x8_layout(type_id)
+    return bits
+
+
 def x8_bytes(lib: ctypes.CDLL, num_x: int, cols: int) -> int:
     """Bytes of num_x rows of cols values quantized by quantize_x8 (cols a multiple of 32)."""
-    return num_x * (cols // 32) * lib.fm_x8_block_bytes()
+    return lib.fm_x8_bytes(num_x, cols)
 
 
-def quantize_x8(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor) -> None:
-    """x [n, cols] float32 (rows contiguous, cols a multiple of 32) into out (uint8, x8_bytes)."""
-    lib.fm_quantize_x8(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], out.data_ptr())
+def quantize_x8(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, layouts: int = 3) -> None:
+    """x [n, cols] float32 (rows contiguous, cols a multiple of 32) into out (uint8, x8_bytes), in
+    the layouts `layouts` names (x8_layouts; 3: both, super-blocks where cols allows)."""
+    lib.fm_quantize_x8(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], out.data_ptr(), layouts)
 
 
 def round_x8(lib: ctypes.CDLL, x: torch.Tensor) -> None:

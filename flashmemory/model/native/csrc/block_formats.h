@@ -57,14 +57,18 @@ static inline void q4k_scale_min(int j, const uint8_t *s, int *sc, int *mn) {
     }
 }
 
-/* Q3_K's 16 6-bit scales (stored + 32) from their 12 packed bytes: low nibbles of bytes 0..7 (then their high
- * nibbles), 2 high bits each in bytes 8..11 */
+/* Q3_K's 16 6-bit scales (stored + 32) from their 12 packed bytes, four at a time: low nibbles of
+ * bytes 0..7 (then their high nibbles), 2 high bits each in bytes 8..11 (scale k's at bit
+ * 2 * (k / 4) of byte 8 + k % 4) */
 static inline void q3k_scales(const uint8_t *packed, int8_t *sc) {
-    for (int k = 0; k < 16; k++) {
-        const int low = k < 8 ? packed[k] & 0x0F : packed[k - 8] >> 4;
-        const int high = (packed[8 + k % 4] >> (2 * (k / 4))) & 3;
-        sc[k] = (int8_t)(low | (high << 4));
-    }
+    uint32_t a[3], s[4];
+    memcpy(a, packed, 12);
+    const uint32_t low4 = 0x0F0F0F0F, low2 = 0x03030303;
+    s[0] = (a[0] & low4) | ((a[2] & low2) << 4);
+    s[1] = (a[1] & low4) | (((a[2] >> 2) & low2) << 4);
+    s[2] = ((a[0] >> 4) & low4) | (((a[2] >> 4) & low2) << 4);
+    s[3] = ((a[1] >> 4) & low4) | (((a[2] >> 6) & low2) << 4);
+    memcpy(sc, s, 16);
 }
 
 /* IQ4_XS's scale of sub-block j (0..7), minus its 32: nibble j of the low bytes | 2 bits of the high word << 4 */

@@ -9,12 +9,14 @@ int fm_qgemv(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t row
              const float *x, int64_t num_x, int64_t x_stride, float *y, int64_t y_stride,
              int num_threads);
 int fm_qgemv_x8(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t row_bytes,
-                const void *x, int64_t num_x, float *y, int64_t y_stride, int num_threads);
-void fm_quantize_x8(const float *x, int64_t num_x, int64_t x_stride, int64_t cols, void *xq);
+                const void *xq, int64_t num_x, float *y, int64_t y_stride, int num_threads);
+void fm_quantize_x8(const float *x, int64_t num_x, int64_t x_stride, int64_t cols, void *xq,
+                    int layouts);
 
 int fm_project(const fm_proj *p, const float *x, int64_t num_x, int64_t x_stride, void *xq,
                float *y, int threads) {
-    if (p->any_int8) fm_quantize_x8(x, num_x, x_stride, p->parts[0].cols, xq);
+    if (p->x8_layouts)
+        fm_quantize_x8(x, num_x, x_stride, p->parts[0].cols, xq, (int)p->x8_layouts);
     for (int64_t i = 0; i < p->num_parts; i++) {
         const fm_part *q = p->parts + i;
         const int rc = q->int8

@@ -18,11 +18,12 @@ typedef struct {
     int64_t num_parts;
     int64_t out_features;
     const float *bias;  /* NULL or [out_features] */
-    int64_t any_int8;
+    int64_t x8_layouts; /* fm_quantize_x8's layouts: those of 8-bit x its parts read (0: none) */
 } fm_proj;
 
-/* y [num_x][out_features] = x W^T (+ b): x rounded to 8 bits once into xq where a part takes it,
- * each part's GEMV, then the bias. Returns 0 or the first GEMV's refusal code. */
+/* y [num_x][out_features] = x W^T (+ b): x rounded to 8 bits once into xq (fm_x8_bytes) in each
+ * layout a part reads, each part's GEMV, then the bias. Returns 0 or the first GEMV's refusal
+ * code. */
 int fm_project(const fm_proj *p, const float *x, int64_t num_x, int64_t x_stride, void *xq,
                float *y, int threads);
 #endif
