@@ -18,7 +18,7 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("quant_gemv.c", "q8_gemv.c", "step_ops.c", "projection.c",
                              "decode_layer.c"))
 HEADERS = tuple(Path(__file__).with_name("csrc") / name  # in the build's cache key
-                for name in ("block_formats.h", "projection.h"))
+                for name in ("block_formats.h", "projection.h", "row_chunks.h"))
 # -fopenmp: the output rows are split over torch's OpenMP threads (the same libgomp, loaded by torch first).
 # -fno-associative-math: every product and sum in the order written, so the inlined copies of one
 # kernel (q8_gemv.c's one-row copy keeps its accumulators in registers) compute the same bits: row r

@@ -37,6 +37,7 @@
 #include <string.h>
 
 #include "block_formats.h"
+#include "row_chunks.h"
 
 #define FM_MAX_X 8
 
@@ -610,7 +611,8 @@ int fm_qgemv_x8(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t 
     const int64_t nb = cols / qk;
     const fm_x8 *blocks = (const fm_x8 *)xq;
     const fm_xk *supers = xk_area(xq, num_x, cols);
-#pragma omp parallel for schedule(dynamic, 16) num_threads(num_threads) if (rows * cols >= 65536)
+    const int64_t chunk = fm_row_chunk(rows, num_threads); /* row_chunks.h */
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(num_threads) if (rows * cols >= 65536)
     for (int64_t row = 0; row < rows; row++) {
         float out[FM_MAX_X] = {0};
         if (qk == 256) row_k8(type, w + row * row_bytes, nb, supers, (int)num_x, out);

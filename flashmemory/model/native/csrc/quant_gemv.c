@@ -37,6 +37,7 @@
 #include <string.h>
 
 #include "block_formats.h"
+#include "row_chunks.h"
 
 #define FM_MAX_X 8 /* rows of x per GEMV call */
 #define FM_QK_MAX 256
@@ -453,8 +454,9 @@ int fm_qgemv(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t row
             }
         }
     }
-    /* Dynamic chunks of rows: on a shared machine a thread that loses its core leaves its rows to the others. */
-#pragma omp parallel for schedule(dynamic, 16) num_threads(num_threads) if (rows * cols >= 65536)
+    /* Dynamic chunks of contiguous rows (row_chunks.h) */
+    const int64_t chunk = fm_row_chunk(rows, num_threads);
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(num_threads) if (rows * cols >= 65536)
     for (int64_t row = 0; row < rows; row++) {
         const uint8_t *wr = w + row * row_bytes;
         if (one_row) {
@@ -484,7 +486,9 @@ int fm_dequant_rows(int type, const uint8_t *w, int64_t cols, int64_t row_bytes,
     if (format_of(type, &deq, &qk, &block_bytes) != 0) return -1;
     if (cols % qk != 0 || row_bytes != cols / qk * block_bytes) return -2;
     const int64_t nb = cols / qk;
-#pragma omp parallel for schedule(dynamic, 16) num_threads(num_threads) if (num_rows * cols >= 65536)
+    const int64_t chunk = fm_row_chunk(num_rows, num_threads);
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(num_threads) \
+    if (num_rows * cols >= 65536)
     for (int64_t i = 0; i < num_rows; i++) {
         const uint8_t *wr = w + (row_ids ? row_ids[i] : first_row + i) * row_bytes;
         for (int64_t b = 0; b < nb; b++) deq(wr + b * block_bytes, out + i * cols + b * qk);
