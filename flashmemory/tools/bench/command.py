@@ -55,9 +55,10 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
                    "llamacpp-f16(-fa), llamacpp-q8_0-fa, hf-dynamic")
     p.add_argument("--rounds", type=int, default=3, help="--decode-only: interleaved rounds per length (3)")
     p.add_argument("--steps", type=int, default=16, help="--decode-only: teacher-forced steps per round (16)")
-    p.add_argument("--fm-omp-wait-policy", default="PASSIVE", choices=["ACTIVE", "PASSIVE"],
-                   help="--decode-only: OMP_WAIT_POLICY of FlashMemory's workers (PASSIVE: measured best on a shared "
-                   "machine; llama.cpp always runs with OpenMP's default)")
+    p.add_argument("--fm-omp-wait-policy", default="PASSIVE", choices=["ACTIVE", "PASSIVE", "default"],
+                   help="--decode-only: OMP_WAIT_POLICY of FlashMemory's workers (PASSIVE: measured best at one "
+                   "thread on a shared machine; default: OpenMP's own, spinning briefly before sleeping, best at "
+                   "two threads; llama.cpp always runs with OpenMP's default)")
     p.add_argument("--kv-snapshot", default=None, metavar="FILE",
                    help="--decode-only: start every engine from this snapshot (written by `flashmemory eval "
                    "--kv-snapshot` on the same --model and --text) instead of a prefill: the context but its last "
@@ -153,12 +154,13 @@ def _run_decode_compare(args: argparse.Namespace, parse_length) -> int:
     while len(ids) < max(lengths) + args.rounds * args.steps + 1:  # a short text is repeated (+1: the last next id)
         ids = ids + ids
     threads = args.threads or min(8, len(os.sched_getaffinity(0)))
+    fm_policy = None if args.fm_omp_wait_policy == "default" else args.fm_omp_wait_policy
     if args.engines:
         longest = max(lengths) + args.rounds * args.steps + 16
-        engines = named_engines(args.engines, args.fm_omp_wait_policy, _kv_budget(args, checkpoint, longest))
+        engines = named_engines(args.engines, fm_policy, _kv_budget(args, checkpoint, longest))
     else:
-        engines = (snapshot_engines(args.fm_omp_wait_policy, threads) if snapshot
-                   else default_engines(args.fm_omp_wait_policy))
+        engines = (snapshot_engines(fm_policy, threads) if snapshot
+                   else default_engines(fm_policy))
     with tempfile.TemporaryDirectory(prefix="fm-decode-") as tmp:
         ids_path = Path(tmp) / "ids.json"
         ids_path.write_text(json.dumps(ids))
