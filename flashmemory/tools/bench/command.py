@@ -55,10 +55,12 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
                    "llamacpp-f16(-fa), llamacpp-q8_0-fa, hf-dynamic")
     p.add_argument("--rounds", type=int, default=3, help="--decode-only: interleaved rounds per length (3)")
     p.add_argument("--steps", type=int, default=16, help="--decode-only: teacher-forced steps per round (16)")
-    p.add_argument("--fm-omp-wait-policy", default="PASSIVE", choices=["ACTIVE", "PASSIVE", "default"],
-                   help="--decode-only: OMP_WAIT_POLICY of FlashMemory's workers (PASSIVE: measured best at one "
-                   "thread on a shared machine; default: OpenMP's own, spinning briefly before sleeping, best at "
-                   "two threads; llama.cpp always runs with OpenMP's default)")
+    p.add_argument("--fm-omp-wait-policy", default="PASSIVE",
+                   choices=["ACTIVE", "PASSIVE", "default"],
+                   help="--decode-only: OMP_WAIT_POLICY of FlashMemory's workers (PASSIVE: measured "
+                   "best at one thread on a shared machine; default: OpenMP's own, spinning briefly "
+                   "before sleeping, best at two threads; llama.cpp always runs with OpenMP's "
+                   "default)")
     p.add_argument("--kv-snapshot", default=None, metavar="FILE",
                    help="--decode-only: start every engine from this snapshot (written by `flashmemory eval "
                    "--kv-snapshot` on the same --model and --text) instead of a prefill: the context but its last "
