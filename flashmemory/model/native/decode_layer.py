@@ -54,7 +54,9 @@ class FusedDecodeLayer:
         self.inter = mlp.intermediate_size
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
-        self._widest = max(qkv.cols, o.cols, gate_up.cols, down.cols)  # x8 rows are this wide
+        # the input widths: 8-bit x's buffer must hold the largest (by fm_x8_bytes, whose
+        # super-block layout exists only for widths a multiple of 256: not always the widest)
+        self._cols = (qkv.cols, o.cols, gate_up.cols, down.cols)
         self._x8 = torch.empty(0, dtype=torch.uint8)
 
     @staticmethod
@@ -78,7 +80,7 @@ class FusedDecodeLayer:
                 and _float_cpu(cos) and _float_cpu(sin))
 
     def _xq(self, rows: int) -> torch.Tensor:
-        size = quant_kernels.x8_bytes(self.lib, rows, self._widest)
+        size = max(quant_kernels.x8_bytes(self.lib, rows, cols) for cols in self._cols)
         if self._x8.numel() < size:
             self._x8 = torch.empty(size, dtype=torch.uint8)
         return self._x8
