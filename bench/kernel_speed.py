@@ -30,6 +30,7 @@ from flashmemory.kvcache.levels.tensor_pool import TensorPool
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.native.loader import FLAGS, declare_decode_attention
 from flashmemory.kvcache.quant import Codec
+from flashmemory.model.gguf_dequant import FLOAT16_DTYPES
 from flashmemory.model.native.quant_kernels import (TYPE_IDS, library, qgemv, qgemv_x8, quantize_x8,
                                                     x8_bytes, x8_layouts)
 from flashmemory.native_build import build_library
@@ -51,6 +52,9 @@ def median_s(fn: Callable[[], None], n: int = 200) -> float:
 def _blocks(rng: np.random.Generator, type_name: str, rows: int, cols: int) -> torch.Tensor:
     """Encoded rows: gguf's quantizer where it writes the format, else random codes with small
     fp16 scales."""
+    if type_name in FLOAT16_DTYPES:  # 16-bit values as their bytes
+        values = torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32))
+        return values.to(FLOAT16_DTYPES[type_name]).view(torch.uint8).contiguous()
     qtype = gguf.GGMLQuantizationType[type_name]
     if not type_name.endswith("_K") and not type_name.startswith("IQ"):
         raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
@@ -71,10 +75,11 @@ def _blocks(rng: np.random.Generator, type_name: str, rows: int, cols: int) -> t
 
 # (format, rows, cols): SmolLM2's Q4_1 gate_up and down and Q8_0 LM head, the Qwen2.5-Coder
 # models' Q5_0 gate, Q4_K and Q6_K ffn_down (0.5B shapes), and Q5_K / IQ4_XS / Q2_K / Q3_K
-# (Q5_K_M, IQ4_XS, Q2_K, Q3_K_M files) at that shape
+# (Q5_K_M, IQ4_XS, Q2_K, Q3_K_M files) at that shape; F16 / BF16 (float x only) against torch's
+# float32 GEMV over the same values dequantized (what loading them as float32 gave before)
 GEMV_SHAPES = [("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576), ("Q5_0", 4864, 896),
                ("Q4_K", 896, 4864), ("Q5_K", 896, 4864), ("Q6_K", 896, 4864), ("IQ4_XS", 896, 4864),
-               ("Q2_K", 896, 4864), ("Q3_K", 896, 4864)]
+               ("Q2_K", 896, 4864), ("Q3_K", 896, 4864), ("F16", 896, 4864), ("BF16", 896, 4864)]
 
 
 def gemv(rng: np.random.Generator) -> None:
@@ -95,9 +100,15 @@ def gemv(rng: np.random.Generator) -> None:
                 def float_path() -> None:
                     qgemv(lib, type_name, blocks, cols, x, y)
 
-                def int8_path() -> None:
-                    quantize_x8(lib, x, xq, layouts)
-                    qgemv_x8(lib, type_name, blocks, cols, xq, num_x, y)
+                if type_name in FLOAT16_DTYPES:
+                    dense = blocks.view(FLOAT16_DTYPES[type_name]).float()
+
+                    def int8_path() -> None:  # the float32 GEMV it replaces (no 8-bit path)
+                        torch.nn.functional.linear(x, dense, out=y)
+                else:
+                    def int8_path() -> None:
+                        quantize_x8(lib, x, xq, layouts)
+                        qgemv_x8(lib, type_name, blocks, cols, xq, num_x, y)
 
                 f32, i8 = [], []
                 for _ in range(5):
@@ -105,9 +116,11 @@ def gemv(rng: np.random.Generator) -> None:
                     i8.append(median_s(int8_path, 40))
                 f, q = statistics.median(f32), statistics.median(i8)
                 gb = blocks.numel() / 1e9
+                other = (f"torch's float32 GEMV {q * 1e6:.0f} us: ours {q / f:.2f}x as fast"
+                         if type_name in FLOAT16_DTYPES
+                         else f"int8 x {q * 1e6:.0f} us ({gb / q:.1f} GB/s): {f / q:.2f}x")
                 print(f"GEMV {type_name} {rows} x {cols}, {num_x} row(s), {threads} thread(s): "
-                      f"float32 x {f * 1e6:.0f} us ({gb / f:.1f} GB/s of blocks), "
-                      f"int8 x {q * 1e6:.0f} us ({gb / q:.1f} GB/s): {f / q:.2f}x")
+                      f"float32 x {f * 1e6:.0f} us ({gb / f:.1f} GB/s of blocks), {other}")
 
 
 class StepRead:

@@ -35,7 +35,7 @@ class RunSettings:
                          "float16 (also fp32, bf16, fp16, half; float64 is for exactness tests)")
     weights_dtype: str = setting(
         "auto", "how weights are stored: auto (a GGUF's block formats Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q4_K/"
-        "Q5_K/Q6_K/IQ4_NL/IQ4_XS as in the "
+        "Q5_K/Q6_K/IQ4_NL/IQ4_XS and F16/BF16 as in the "
         "file, read by a native GEMV on the CPU; other formats and safetensors dense in dtype), float32 or bfloat16 "
         "(every weight dense), q8_0 or q4_0 (quantize a checkpoint's matrices at load: on the CPU into those GGUF "
         "blocks; on CUDA into torchao int8 per-row / int4 group-32 weight-only, pip install torchao==0.18.0)",

@@ -1,5 +1,6 @@
-"""Torch dequantization of the common GGUF block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1); others go through
-`gguf.quants`, whose numpy kernels are the reference (tests check ours equal them bit for bit).
+"""Torch dequantization of the common GGUF block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; F16 / BF16);
+others go through `gguf.quants`, whose numpy kernels are the reference (tests check ours equal them
+bit for bit).
 
 Block layouts (llama.cpp's ggml-common.h), 32 weights per block:
     Q8_0: fp16 d, 32 x int8 q                            -> d * q
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
+FLOAT16_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16}  # unquantized, 2 bytes a value
 
 
 def _fp16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -38,6 +40,9 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 
 def dequantize_torch(raw: np.ndarray, type_name: str) -> torch.Tensor | None:
     """float32 [rows, cols] from raw [rows, bytes per row] uint8, or None when the type is not handled here."""
+    if type_name in FLOAT16_DTYPES:  # [rows, 2 * cols] bytes of 16-bit values
+        data = torch.from_numpy(np.array(raw, copy=True))
+        return data.view(FLOAT16_DTYPES[type_name]).float()
     if type_name not in BLOCK_BYTES:
         return None
     data = torch.from_numpy(np.array(raw, copy=True))  # the file map is read-only; torch wants writable memory

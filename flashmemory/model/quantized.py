@@ -1,4 +1,5 @@
-"""Weights kept in GGUF block formats: the QuantizedTensor that holds one, its torch reference dequantization,
+"""Weights kept in GGUF block formats (F16 and BF16 too, as blocks of 32 values): the QuantizedTensor
+that holds one, its torch reference dequantization,
 and the Q8_0 / Q4_0 quantizers used to store a dense checkpoint that way (weights_dtype="q8_0" / "q4_0")."""
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from flashmemory.model.gguf_dequant import dequantize_torch
 # format -> (weights per block, bytes per block); the formats the native GEMV reads (csrc/quant_gemv.c).
 BLOCK_FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
                  "Q8_0": (32, 34), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144),
-                 "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
+                 "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
+                 "F16": (32, 64), "BF16": (32, 64)}
+# The unquantized 16-bit formats among them: kept at 2 bytes a weight (half of float32) and always
+# multiplied with float x (no 8-bit path: csrc/q8_gemv.c refuses them).
+FLOAT16_FORMATS = ("F16", "BF16")
+# The formats with an 8-bit activation GEMV (csrc/q8_gemv.c).
+X8_FORMATS = tuple(name for name in BLOCK_FORMATS if name not in FLOAT16_FORMATS)
 
 
 @dataclass

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from flashmemory.model.native import quant_kernels
-from flashmemory.model.quantized import BLOCK_FORMATS
+from flashmemory.model.quantized import FLOAT16_FORMATS, X8_FORMATS
 from tests.model.test_quantized_weights import _random_blocks, _reference
 
-FORMATS = list(BLOCK_FORMATS)
+FORMATS = list(X8_FORMATS)
 LIB = quant_kernels.library()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the native kernels are absent")
 
@@ -102,3 +102,15 @@ def test_the_head_keeps_float_x_only_where_its_format_has_a_one_row_float_dot():
         assert [f for f in FORMATS if quant_kernels.int8_for_head(mode, f)] == [
             f for f in FORMATS if f not in one_row]  # a Q6_K head (Qwen2.5-1.5B) rounds x
     assert not any(quant_kernels.int8_for_head("float32", f) for f in FORMATS)
+
+
+def test_the_16_bit_formats_keep_float_x_and_have_no_8_bit_path():
+    """F16 / BF16 weights are multiplied with x as it is whatever decode_activations says: the
+    8-bit kernel refuses them rather than reading 2-byte values as blocks."""
+    for type_name in FLOAT16_FORMATS:
+        assert not any(quant_kernels.int8_for(mode, type_name) or
+                       quant_kernels.int8_for_head(mode, type_name)
+                       for mode in ("auto", "int8", "float32"))
+        blocks = torch.from_numpy(np.ascontiguousarray(_random_blocks(type_name, 8, 256)))
+        with pytest.raises(ValueError, match=f"refused a {type_name}"):
+            _gemv_x8(LIB, type_name, blocks, 256, torch.randn(1, 256))

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from flashmemory.config import RunSettings
+from flashmemory.model.quantized import X8_FORMATS
 from flashmemory.native_build import BASE_FLAGS, build_library
 from flashmemory.settings import setting_of
 
@@ -27,7 +28,7 @@ FLAGS = (*BASE_FLAGS, "-fopenmp", "-fno-associative-math")
 MAX_X_ROWS = 8  # FM_MAX_X: rows of x one GEMV call takes
 # GGUF type ids of the block formats the kernels read (the file format's numbering).
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
-            "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
+            "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "F16": 1, "BF16": 30}
 
 # EngineConfig.decode_activations (its choices declared there): how the decode GEMV multiplies x.
 DECODE_ACTIVATIONS = setting_of(RunSettings, "decode_activations").choices
@@ -96,7 +97,7 @@ def dequant_rows(lib: ctypes.CDLL, type_name: str, blocks: torch.Tensor, cols: i
 # int8 x gains 1.1-1.3x and costs fidelity the smallest models feel (SmolLM2 flips its first token
 # on the README's own prompt), so "auto" keeps float x for them. The others (the K-quants, Q5_1,
 # IQ4) dequantize each block before the dot and gain 2.4-7x from int8 x.
-FLOAT_ONE_ROW_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
+FLOAT_ONE_ROW_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "F16", "BF16")
 
 
 def resolve_decode_activations(requested: str, lib: ctypes.CDLL | None) -> str:
@@ -113,7 +114,10 @@ def resolve_decode_activations(requested: str, lib: ctypes.CDLL | None) -> str:
 
 
 def int8_for(activations: str, type_name: str) -> bool:
-    """Whether a resolved `activations` mode rounds x to 8 bits for weights of `type_name`."""
+    """Whether a resolved `activations` mode rounds x to 8 bits for weights of `type_name` (never
+    for F16 / BF16, which have no 8-bit path)."""
+    if type_name not in X8_FORMATS:
+        return False
     return activations == "int8" or activations == "auto" and type_name not in FLOAT_ONE_ROW_FORMATS
 
 

@@ -8,8 +8,9 @@
 #include <string.h>
 
 /* GGUF type ids (the file format's numbering) of the formats the kernels read */
-enum { FM_Q4_0 = 2, FM_Q4_1 = 3, FM_Q5_0 = 6, FM_Q5_1 = 7, FM_Q8_0 = 8, FM_Q2_K = 10, FM_Q3_K = 11,
-       FM_Q4_K = 12, FM_Q5_K = 13, FM_Q6_K = 14, FM_IQ4_NL = 20, FM_IQ4_XS = 23 };
+enum { FM_F16 = 1, FM_Q4_0 = 2, FM_Q4_1 = 3, FM_Q5_0 = 6, FM_Q5_1 = 7, FM_Q8_0 = 8, FM_Q2_K = 10,
+       FM_Q3_K = 11, FM_Q4_K = 12, FM_Q5_K = 13, FM_Q6_K = 14, FM_IQ4_NL = 20, FM_IQ4_XS = 23,
+       FM_BF16 = 30 };
 
 /* bytes per block, 0 for a format the kernels do not read */
 static inline int fm_block_bytes(int type) {
@@ -26,6 +27,7 @@ static inline int fm_block_bytes(int type) {
     case FM_Q6_K: return 210;
     case FM_IQ4_NL: return 18;
     case FM_IQ4_XS: return 136;
+    case FM_F16: case FM_BF16: return 64; /* unquantized: read as blocks of 32 values */
     default: return 0;
     }
 }
@@ -33,12 +35,26 @@ static inline int fm_block_bytes(int type) {
 /* weights per block: 32 for the small formats, 256 for the K-quants and IQ4_XS */
 static inline int fm_block_weights(int type) {
     switch (type) {
-    case FM_Q4_0: case FM_Q4_1: case FM_Q5_0: case FM_Q5_1: case FM_Q8_0: case FM_IQ4_NL: return 32;
+    case FM_Q4_0: case FM_Q4_1: case FM_Q5_0: case FM_Q5_1: case FM_Q8_0: case FM_IQ4_NL:
+    case FM_F16: case FM_BF16: return 32;
     default: return 256;
     }
 }
 
 static const int8_t IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* F16 and BF16 weights are multiplied with float x (no 8-bit path: nothing to gain over their
+ * 2 bytes a weight but rounding). */
+static inline int fm_is_float_format(int type) { return type == FM_F16 || type == FM_BF16; }
+
+static inline float bf16_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 static inline float half_to_float(const uint8_t *p) {
     _Float16 h;

@@ -605,7 +605,7 @@ static void row_k8(int type, const uint8_t *w, int64_t nb, const fm_xk *x, int n
 int fm_qgemv_x8(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t row_bytes,
                 const void *xq, int64_t num_x, float *y, int64_t y_stride, int num_threads) {
     const int block_bytes = fm_block_bytes(type);
-    if (block_bytes == 0) return -1;
+    if (block_bytes == 0 || fm_is_float_format(type)) return -1;
     const int qk = fm_block_weights(type);
     if (num_x < 1 || num_x > FM_MAX_X || cols % qk != 0 || row_bytes != cols / qk * block_bytes) return -2;
     const int64_t nb = cols / qk;

@@ -23,6 +23,7 @@
  *   IQ4_XS (23) 256 weights, 136 bytes: fp16 d, 16 bits of high scale bits, 4 bytes of low scale nibbles,
  *             128 bytes of nibbles (16 per sub-block of 32)             w = d * (ls - 32) * IQ4[q]
  *             (ls of sub-block j: nibble j of the low bytes | bits 2j, 2j+1 of the high word << 4)
+ *   F16 (1) / BF16 (30) unquantized, 2 bytes a weight, read in blocks of 32 (64 bytes)
  *   IQ4[16] is the non-linear code book below (llama.cpp's kvalues_iq4nl).
  * Nibbles of the 32-weight formats (IQ4_XS's sub-blocks too): byte j holds weight j (low half) and weight j + 16 (high half).
  *
@@ -60,6 +61,14 @@ static void deq_q4_0(const uint8_t *b, float *y) {
         y[j] = d * (float)((b[2 + j] & 0x0F) - 8);
         y[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
     }
+}
+
+static void deq_f16(const uint8_t *b, float *y) {
+    for (int j = 0; j < 32; j++) y[j] = half_to_float(b + 2 * j);
+}
+
+static void deq_bf16(const uint8_t *b, float *y) {
+    for (int j = 0; j < 32; j++) y[j] = bf16_to_float(b + 2 * j);
 }
 
 static void deq_q4_1(const uint8_t *b, float *y) {
@@ -217,6 +226,8 @@ static int format_of(int type, deq_fn *fn, int *qk, int *block_bytes) {
     case FM_Q6_K: *fn = deq_q6_k; break;
     case FM_IQ4_NL: *fn = deq_iq4_nl; break;
     case FM_IQ4_XS: *fn = deq_iq4_xs; break;
+    case FM_F16: *fn = deq_f16; break;
+    case FM_BF16: *fn = deq_bf16; break;
     default: return -1;
     }
     *qk = fm_block_weights(type), *block_bytes = fm_block_bytes(type);
@@ -360,6 +371,28 @@ static inline __m256 q5_0_block(const uint8_t *w, const float *x) {
 static float dot_q5_0(const uint8_t *w, int64_t nb, const float *x) {
     return dot_scaled_blocks(w, nb, x, 22, q5_0_block);
 }
+
+/* F16 / BF16: 32 weights widened to float per block, four accumulators (memory-bound) */
+static inline __m256 widen_bf16(const uint8_t *p) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+static inline __m256 widen_f16(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+#define FM_DOT_FLOAT16(name, widen)                                                              \
+    static float name(const uint8_t *w, int64_t nb, const float *x) {                            \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                               \
+        for (int64_t i = 0; i < nb; i++, w += 64, x += 32) {                                     \
+            a0 = _mm256_fmadd_ps(widen(w), _mm256_loadu_ps(x), a0);                              \
+            a1 = _mm256_fmadd_ps(widen(w + 16), _mm256_loadu_ps(x + 8), a1);                     \
+            a2 = _mm256_fmadd_ps(widen(w + 32), _mm256_loadu_ps(x + 16), a2);                    \
+            a3 = _mm256_fmadd_ps(widen(w + 48), _mm256_loadu_ps(x + 24), a3);                    \
+        }                                                                                        \
+        return hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));             \
+    }
+FM_DOT_FLOAT16(dot_f16, widen_f16)
+FM_DOT_FLOAT16(dot_bf16, widen_bf16)
 #else
 /* Portable: the same sums, one weight at a time. */
 static float dot_q4_1(const uint8_t *w, int64_t nb, const float *x, const float *xsum) {
@@ -408,6 +441,18 @@ static float dot_q5_0(const uint8_t *w, int64_t nb, const float *x) {
     }
     return acc;
 }
+
+static float dot_f16(const uint8_t *w, int64_t nb, const float *x) {
+    float acc = 0.0f;
+    for (int64_t c = 0; c < nb * 32; c++) acc += half_to_float(w + 2 * c) * x[c];
+    return acc;
+}
+
+static float dot_bf16(const uint8_t *w, int64_t nb, const float *x) {
+    float acc = 0.0f;
+    for (int64_t c = 0; c < nb * 32; c++) acc += bf16_to_float(w + 2 * c) * x[c];
+    return acc;
+}
 #endif
 
 /* Any format: dequantize the block into L1, then dot (used for several rows of x and the other formats). */
@@ -441,7 +486,8 @@ int fm_qgemv(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t row
      * memory once (it stays in L1 across x's rows): row r of y is then the same float32 bits
      * whatever num_x is, so a speculative verification of several tokens computes what their
      * decode steps compute one at a time. */
-    const int one_row = type == FM_Q4_1 || type == FM_Q4_0 || type == FM_Q8_0 || type == FM_Q5_0;
+    const int one_row = type == FM_Q4_1 || type == FM_Q4_0 || type == FM_Q8_0 || type == FM_Q5_0
+                        || fm_is_float_format(type);
     float *xsum = NULL;
     if (type == FM_Q4_1) {
         xsum = malloc(sizeof(float) * nb * num_x);
@@ -466,6 +512,8 @@ int fm_qgemv(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t row
                 if (type == FM_Q4_1) *yr = dot_q4_1(wr, nb, xr, xsum + r * nb);
                 else if (type == FM_Q4_0) *yr = dot_q4_0(wr, nb, xr);
                 else if (type == FM_Q8_0) *yr = dot_q8_0(wr, nb, xr);
+                else if (type == FM_F16) *yr = dot_f16(wr, nb, xr);
+                else if (type == FM_BF16) *yr = dot_bf16(wr, nb, xr);
                 else *yr = dot_q5_0(wr, nb, xr);
             }
         } else {
