@@ -58,6 +58,7 @@ class FusedDecodeLayer:
         # super-block layout exists only for widths a multiple of 256: not always the widest)
         self._cols = (qkv.cols, o.cols, gate_up.cols, down.cols)
         self._x8 = torch.empty(0, dtype=torch.uint8)
+        self._x8_bytes: dict[int, int] = {}  # rows of x -> bytes its 8-bit copy needs (made once)
 
     @staticmethod
     def build(layer: torch.nn.Module) -> FusedDecodeLayer | None:
@@ -80,7 +81,10 @@ class FusedDecodeLayer:
                 and _float_cpu(cos) and _float_cpu(sin))
 
     def _xq(self, rows: int) -> torch.Tensor:
-        size = max(quant_kernels.x8_bytes(self.lib, rows, cols) for cols in self._cols)
+        size = self._x8_bytes.get(rows)
+        if size is None:
+            size = max(quant_kernels.x8_bytes(self.lib, rows, cols) for cols in self._cols)
+            self._x8_bytes[rows] = size
         if self._x8.numel() < size:
             self._x8 = torch.empty(size, dtype=torch.uint8)
         return self._x8
