@@ -153,6 +153,21 @@ class KVSettings:
     scheduling_policy: str = setting(
         "fcfs", "who is admitted next and who is preempted first: fcfs (arrival order; the "
         "newest is preempted first) (engine/scheduling_policy.py)", choices=("fcfs",))
+    placement_policy: str = setting(
+        "age", "where old blocks live: age (by token age: window in L0, warm_tokens in L1, then "
+        "the levels below) or locality (the seed's MemScheduler: by age, and blocks selection "
+        "keeps choosing get an L0 copy or keep their L1 copy, blocks never chosen leave L1 "
+        "early; kvcache/manager/policy.py, docs/placement.md)", choices=("age", "locality"))
+    locality_device_tokens: int = setting(
+        256, "placement_policy=locality: tokens of old blocks a sequence may hold in L0 by "
+        "locality (device bytes traded for reads: the seed's cost sensitivity), counted in the "
+        "device budget", unit="tokens", ge=0)
+    locality_host_tokens: int = setting(
+        2048, "placement_policy=locality: tokens a sequence may keep in L1 past warm_tokens by "
+        "locality (as many sink early to the level below)", unit="tokens", ge=0)
+    locality_history_steps: int = setting(
+        100, "placement_policy=locality: decode steps a block's access-locality index looks "
+        "back over (the seed's last 100 accesses)", unit="steps", ge=1)
     budget_controller: bool = setting(
         False, "move the L0 budget at run time by device utilization (NVML on a GPU, the engine "
         "thread's busy fraction on a CPU): under 30 % for 30 s -10 %; over 85 % for 10 s while "

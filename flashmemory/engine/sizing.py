@@ -65,9 +65,11 @@ def plan_device(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights_bytes:
     attended = engine_cfg.active_window + engine_cfg.warm_budget_tokens + block_size
     workspace = workspace_bytes(model_cfg, engine_cfg.prefill_chunk_tokens, attended, elem)
     device_staging = engine_cfg.device_staging_bytes
-    if engine_cfg.max_gpu_memory_mb is None:
-        return DevicePlan(weights_bytes, workspace, filling, slot_bytes, engine_cfg.max_num_seqs * window_slots,
-                          device_staging)
+    if engine_cfg.max_gpu_memory_mb is None:  # + the old blocks placement by locality may raise
+        locality = (engine_cfg.locality_device_tokens // block_size
+                    if engine_cfg.placement_policy == "locality" else 0)
+        return DevicePlan(weights_bytes, workspace, filling, slot_bytes,
+                          engine_cfg.max_num_seqs * (window_slots + locality), device_staging)
     budget = engine_cfg.max_gpu_memory_mb * MIB
     free_for_kv = budget - weights_bytes - workspace - filling - device_staging
     slots = free_for_kv // slot_bytes if free_for_kv > 0 else 0

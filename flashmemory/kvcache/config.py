@@ -14,7 +14,7 @@ from flashmemory.kv_settings import KVSettings
 from flashmemory.kvcache.manager.blocks import Level
 from flashmemory.kvcache.manager.hierarchy import (BITS_OF, LevelSpec, as_level, built_in_spec,
                                                    extra_spec, parse_kv_levels)
-from flashmemory.kvcache.manager.policy import PlacementPolicy
+from flashmemory.kvcache.manager.policy import PLACEMENT_POLICIES, LocalityPolicy, PlacementPolicy
 from flashmemory.kvcache.quant import Codec
 
 # Bits on L0, L1, L2. "mixed" kept INT2 on L2 (the seeds' hierarchy) until INT2 there was found to
@@ -122,8 +122,20 @@ class TieredCacheConfig(KVSettings):
         return tuple(dataclasses.replace(spec, medium=self.level_media.get(i, spec.medium))
                      for i, spec in enumerate(specs))
 
-    def placement_policy(self) -> PlacementPolicy:
+    def build_placement_policy(self) -> PlacementPolicy:
+        """The placement_policy's rule (manager/policy.py PLACEMENT_POLICIES); locality's budgets
+        in blocks, within what the levels' slots leave a sequence beyond the age rule."""
         levels = self.hierarchy()
         keeps = tuple(spec.keep_tokens or 0 for spec in levels[2:-1])
-        return PlacementPolicy(self.block_size, self.active_window, self.warm_tokens, self.num_sink_blocks,
-                               len(levels) > 2, keeps)
+        age = PlacementPolicy(self.block_size, self.active_window, self.warm_tokens,
+                              self.num_sink_blocks, len(levels) > 2, keeps)
+        if PLACEMENT_POLICIES[self.placement_policy] is PlacementPolicy:
+            return age
+        per_seq = self.device_slots // self.max_num_seqs
+        device = min(self.locality_device_tokens // self.block_size,
+                     max(0, per_seq - age.window_blocks - age.num_sink_blocks))
+        host = min(self.locality_host_tokens // self.block_size,
+                   max(0, self.host_slots - age.warm_end_blocks - age.num_sink_blocks - device))
+        return LocalityPolicy(self.block_size, self.active_window, self.warm_tokens,
+                              self.num_sink_blocks, len(levels) > 2, keeps, device_blocks=device,
+                              host_blocks=host)

@@ -211,6 +211,17 @@ class StagingStats:
 
 
 @dataclass
+class LocalityStats:
+    """placement_policy="locality": what placement by access locality did (kvcache/locality.py)."""
+
+    locality_raised_to_device: int  # old blocks given an L0 copy
+    locality_raised_to_host: int  # blocks brought back to L1 from a level below
+    locality_sunk: int  # blocks that left L1 early, never chosen
+    locality_deferred: int  # role updates held back while the link was saturated
+    link_utilization: float  # the cache's moves over the link's rate, last measured (0-1)
+
+
+@dataclass
 class BudgetStats:
     """The L0 budget the budget controller moves (engine/budget_controller.py)."""
 
@@ -245,6 +256,7 @@ class KVStats:
     persist: PersistStats | None = None
     prefetch: PrefetchStats | None = None
     staging: StagingStats | None = None
+    locality: LocalityStats | None = None
     budget: BudgetStats | None = None  # set by the engine when a budget controller runs
     contiguous: ContiguousStats | None = None
 
@@ -278,7 +290,7 @@ class KVStats:
             for label, lv in levels:
                 out[f"{label}_prefix_hit_blocks"] = lv.prefix_hit_blocks
                 out[f"{label}_prefix_evicted_blocks"] = lv.prefix_evicted_blocks
-        for part in (self.persist, self.prefetch, self.staging, self.budget):
+        for part in (self.persist, self.prefetch, self.staging, self.locality, self.budget):
             if part is not None:
                 out.update(_present(part))
         return out

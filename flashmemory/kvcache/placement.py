@@ -13,6 +13,8 @@ names a level below them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from flashmemory.errors import CapacityError, FlashMemoryError
@@ -20,8 +22,11 @@ from flashmemory.kvcache.config import KV_DTYPE
 from flashmemory.kvcache.levels.protocol import StorageLevel
 from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
 from flashmemory.kvcache.manager.hierarchy import LevelSpec, level_label
-from flashmemory.kvcache.manager.policy import PlacementPolicy
+from flashmemory.kvcache.manager.policy import Locality, PlacementPolicy
 from flashmemory.kvcache.quant import Codec
+
+if TYPE_CHECKING:
+    from flashmemory.kvcache.locality import LocalityPlacer
 
 HOT, MASTER = Level.DEVICE, Level.HOST  # where the hot copies and the FP16 master copies live
 
@@ -37,8 +42,10 @@ class Placement:
     def __init__(self, policy: PlacementPolicy, blocks: BlockManager,
                  levels: dict[int, StorageLevel], codecs: dict[int, Codec],
                  specs: tuple[LevelSpec, ...],
-                 cached_slots: dict[int, int | None] | None = None) -> None:
+                 cached_slots: dict[int, int | None] | None = None,
+                 locality: LocalityPlacer | None = None) -> None:
         self.policy = policy
+        self.locality = locality  # placement_policy="locality": the measured ALIs and the link
         # Per level, the slots unused cached blocks may keep there (absent or None: no limit but
         # the level's size).
         self.cached_slots = cached_slots or {}
@@ -91,14 +98,24 @@ class Placement:
         return wanted
 
     def place(self, seq_id: int) -> None:
-        """Move each block of the sequence to the levels the policy wants it on, by its age."""
+        """Move each block of the sequence to the levels the policy wants it on: by its age, and
+        with placement_policy="locality" by its access locality too (raised to L0 or kept in L1
+        while the levels have free slots and the link is not saturated; sunk early)."""
         table = self.blocks.tables[seq_id]
         n = len(table.blocks)
+        roles = self.locality.roles(seq_id, table) if self.locality is not None else {}
         for i, block in enumerate(table.blocks):
             if block.pinned:
                 continue
-            wanted = (self.wanted_levels(seq_id, i) if len(block.owners) > 1
+            role = roles.get(i)
+            shared = len(block.owners) > 1
+            wanted = (self.wanted_levels(seq_id, i) if shared
                       else self.policy.levels_for(n - 1 - i, False))
+            if role is not None and not (shared and role is Locality.SINK):
+                by_role = self.policy.levels_for_role(n - 1 - i, False, role)
+                wanted = wanted | by_role if shared else by_role
+                if role is not Locality.SINK:
+                    self._raise(seq_id, i, wanted)
             if HOT in block.slots and HOT not in wanted:
                 self._demote_from_device(seq_id, i)
             # The fastest level wanted below L0 is where the block lives (a shared block: as its
@@ -109,6 +126,8 @@ class Placement:
                 target = self._targets[wanted] = min(below_hot, default=HOT)
             while target > MASTER and target in self.levels and MASTER <= block.primary < target:
                 self._demote_to(seq_id, i, target)
+                if role is Locality.SINK:
+                    self.locality.count_sink()
 
     def restore(self, seq_id: int, num_blocks: int) -> None:
         """Bring the first `num_blocks` blocks (a reused prefix) up to the levels the policy wants
@@ -117,12 +136,29 @@ class Placement:
         for i in range(num_blocks):
             self.restore_block(seq_id, i)
 
-    def restore_block(self, seq_id: int, index: int) -> None:
-        """Bring one block of a reused prefix up to the levels the policy wants it on (see
-        `restore`): each wanted level it has no copy on that is faster than its fastest copy off
-        L0, the slowest first, so each is made from the best copy there is."""
+    def _raise(self, seq_id: int, index: int, wanted: frozenset[int]) -> None:
+        """Locality's promotion: the copies `wanted` asks for that the block lacks, only into free
+        slots (never pushing another block down) and never while the link is saturated."""
         block = self.blocks.tables[seq_id].blocks[index]
-        wanted = self.wanted_levels(seq_id, index)
+        base = min(lv for lv in block.slots if lv != HOT)
+        missing = [lv for lv in wanted if lv not in block.slots and (lv == HOT or lv < base)]
+        if not missing or not self.locality.may_move():
+            return
+        if any(self.blocks.allocators[lv].num_free == 0 for lv in missing):
+            return
+        self.restore_block(seq_id, index, wanted)
+        self.locality.count_raise(HOT in missing)
+        if HOT in missing:
+            self._count(route(self.source_copy(block), HOT), self.levels[HOT].bytes_per_slot)
+
+    def restore_block(self, seq_id: int, index: int,
+                      wanted: frozenset[int] | None = None) -> None:
+        """Bring one block of a reused prefix up to the levels the policy wants it on (see
+        `restore`; `wanted`: those levels, given): each wanted level it has no copy on that is
+        faster than its fastest copy off L0, the slowest first, so each is made from the best copy
+        there is."""
+        block = self.blocks.tables[seq_id].blocks[index]
+        wanted = self.wanted_levels(seq_id, index) if wanted is None else wanted
         base = min(lv for lv in block.slots if lv != HOT)
         missing = (lv for lv in wanted if lv < base and lv not in block.slots)
         for level in sorted(missing, reverse=True):

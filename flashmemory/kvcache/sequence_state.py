@@ -21,6 +21,9 @@ class SequenceKV:
     num_recent: int = 0  # of those, tokens of the newest full blocks (written to the levels; attended from the row)
     num_sink: int = 0  # of those, tokens of the attention-sink blocks (likewise)
     digest: torch.Tensor | None = None  # [num_layers, num_kv_heads, capacity_blocks, boxes * 2 * head_dim] (key_digest)
+    # Per level, the digests of its candidates gathered when they are not one run of blocks
+    # (placement by locality leaves holes), kept until a block is (re)written.
+    digest_gathers: dict = field(default_factory=dict)
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer, this forward
     plan: dict[Level, LevelPlan] | None = None  # built at layer 0 of a forward, dropped at commit
     pinned_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token ranges kept in L0
@@ -49,3 +52,4 @@ class SequenceKV:
                 grown[:, :, : self.digest.shape[2]] = self.digest
             self.digest = grown
         self.digest[:, :, index] = digest
+        self.digest_gathers.clear()  # gathers made before may hold another digest at `index`

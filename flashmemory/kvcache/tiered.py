@@ -25,8 +25,10 @@ from flashmemory.kvcache.interface import ForwardBatch, KVCache, SequenceSlice, 
 from flashmemory.kvcache.kv_stats import KVStats
 from flashmemory.kvcache.levels.protocol import StorageLevel
 from flashmemory.kvcache.levels.registry import build_levels
+from flashmemory.kvcache.locality import LinkMonitor, LocalityPlacer, LocalityTracker
 from flashmemory.kvcache.manager.blocks import BlockEntry, BlockManager, Level
 from flashmemory.kvcache.manager.capacity import KVCapacity
+from flashmemory.kvcache.manager.policy import LocalityPolicy
 from flashmemory.kvcache.manager.prefix_cache import PrefixCache, chain_hashes
 from flashmemory.kvcache.native import native_rescore, native_selection, use_native_reads
 from flashmemory.kvcache.placement import Placement
@@ -52,7 +54,7 @@ class TieredKVCache(KVCache):
     def __init__(self, cfg: TieredCacheConfig) -> None:
         self.cfg = cfg
         self.hierarchy = cfg.hierarchy()  # the levels in order, from the settings
-        self.policy = cfg.placement_policy()
+        self.policy = cfg.build_placement_policy()
         self.codecs = hierarchy_codecs(self.hierarchy, cfg.block_size, cfg.head_dim,
                                        cfg.kv_quant_range)
         self.levels: dict[int, StorageLevel] = build_levels(cfg, self.hierarchy, self.codecs)
@@ -63,10 +65,17 @@ class TieredKVCache(KVCache):
         # Decode reads differ from prefill's FP16 reads (a quantized window copy or query-aware selection).
         self._approximate_decode = cfg.selection != "exact" or cfg.kv_precision != "fp16"
         self.blocks = BlockManager({level: lvl.num_slots for level, lvl in self.levels.items()}, self.prefix_cache)
-        self.placement = Placement(self.policy, self.blocks, self.levels, self.codecs,
-                                   self.hierarchy, self._cached_slots())
-        # Objects told of every query-aware choice (trace recorder, prefetcher); none = no scoring overhead.
+        # Objects told of every query-aware choice (trace recorder, prefetcher, locality); none = no
+        # scoring overhead.
         self.choice_observers: list[ChoiceObserver] = []
+        self.locality: LocalityPlacer | None = None
+        if isinstance(self.policy, LocalityPolicy):
+            tracker = LocalityTracker(cfg.locality_history_steps)
+            self.choice_observers.append(tracker)
+            self.locality = LocalityPlacer(self.policy, tracker, LinkMonitor(cfg.device),
+                                           lambda: sum(self.placement.bytes_moved.values()))
+        self.placement = Placement(self.policy, self.blocks, self.levels, self.codecs,
+                                   self.hierarchy, self._cached_slots(), self.locality)
         self.reader = BlockReader(cfg, self.blocks, self.levels, self.codecs, self.choice_observers,
                                   native_selection(torch.device("cpu")),  # digests live on the host
                                   native_rescore(torch.device("cpu")))  # so do the L1 keys
@@ -163,6 +172,8 @@ class TieredKVCache(KVCache):
         if seq is None:
             return
         self.placement.release(seq_id, keep_cached)
+        if self.locality is not None:
+            self.locality.forget(seq_id)
         self.rows.give_back(seq.filling_row)
         if self.prefetcher is not None:
             self.prefetcher.forget(seq_id)

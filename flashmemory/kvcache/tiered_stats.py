@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashmemory.kvcache.kv_stats import (KVStats, LevelStats, MediumCounters, Move, PersistStats,
-                                          PrefetchStats, StagingStats, prefix_stats)
+from flashmemory.kvcache.kv_stats import (KVStats, LevelStats, LocalityStats, MediumCounters, Move,
+                                          PersistStats, PrefetchStats, StagingStats, prefix_stats)
 from flashmemory.kvcache.manager.blocks import Level
 
 TieredCache = Any  # a TieredKVCache (not imported: it imports this module)
@@ -30,6 +30,8 @@ def tiered_stats(cache: TieredCache) -> KVStats:
         stats.prefetch = PrefetchStats(**cache.prefetcher.stats())
     if cache.device_staging is not None:
         stats.staging = StagingStats(**cache.device_staging.stats())
+    if cache.locality is not None:
+        stats.locality = LocalityStats(**cache.locality.stats())
     return stats
 
 

@@ -77,6 +77,20 @@ STAGING_SERIES = (
     StatSeries("device_staging_capacity_bytes", "gauge", "Bytes of the device staging area"),
 )
 
+# Placement by access locality (placement_policy="locality"), fields of LocalityStats.
+LOCALITY_SERIES = (
+    StatSeries("locality_raised_to_device", "counter",
+               "Old KV blocks placement by locality gave an L0 copy (selection kept choosing "
+               "them)"),
+    StatSeries("locality_raised_to_host", "counter",
+               "KV blocks placement by locality brought back to L1 from a level below"),
+    StatSeries("locality_sunk", "counter",
+               "KV blocks that left L1 early: no decode step chose them over a full history"),
+    StatSeries("locality_deferred", "counter",
+               "Locality placement updates held back while the link was saturated"),
+    StatSeries("link_utilization", "gauge",
+               "The KV moves' share of the host-device link's measured rate, last measured (0-1)"),
+)
 
 # The prefix cache's figures (vLLM's names for queries and hits, counted in tokens), fields of
 # PrefixStats.
@@ -205,6 +219,7 @@ class _KVCollector(Collector):
         yield from self._series(s.selection, SELECTION_SERIES)
         yield from self._series(s.prefetch, PREFETCH_SERIES)
         yield from self._series(s.staging, STAGING_SERIES)
+        yield from self._series(s.locality, LOCALITY_SERIES)
         yield from self._series(self.spec, SPEC_SERIES)
         yield from self._budget()
 

@@ -11,10 +11,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flashmemory import FlashMemoryEngine
-from flashmemory.kvcache.kv_stats import BudgetStats, PersistStats, PrefetchStats, StagingStats
+from flashmemory.kvcache.kv_stats import (BudgetStats, LocalityStats, PersistStats, PrefetchStats,
+                                          StagingStats)
 from flashmemory.kvcache.tiered import TieredKVCache
-from flashmemory.serve.metrics import (PREFETCH_SERIES, PREFIX_SERIES, SELECTION_SERIES,
-                                       STAGING_SERIES, ServerMetrics)
+from flashmemory.serve.metrics import (LOCALITY_SERIES, PREFETCH_SERIES, PREFIX_SERIES,
+                                       SELECTION_SERIES, STAGING_SERIES, ServerMetrics)
 from tests.kvcache.synthetic import SyntheticSequence, tiny_config
 
 P = "flashmemory:"
@@ -74,6 +75,7 @@ def _every_part(tmp_path):
 
     stats.prefetch, stats.staging = numbered(PrefetchStats), numbered(StagingStats)
     stats.persist, stats.budget = numbered(PersistStats), numbered(BudgetStats)
+    stats.locality = numbered(LocalityStats)
     return stats
 
 
@@ -88,7 +90,8 @@ def test_every_metric_series_reads_a_typed_stat(tmp_path):
     stats = _every_part(tmp_path)
     m = _exposition(stats)
     for table, record in ((PREFIX_SERIES, stats.prefix), (PREFETCH_SERIES, stats.prefetch),
-                          (STAGING_SERIES, stats.staging), (SELECTION_SERIES, stats.selection)):
+                          (STAGING_SERIES, stats.staging), (SELECTION_SERIES, stats.selection),
+                          (LOCALITY_SERIES, stats.locality)):
         for entry in table:
             assert entry.key in {f.name for f in dataclasses.fields(record)}, entry.key
             (sample,) = m[P + entry.key].samples

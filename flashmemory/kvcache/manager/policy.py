@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
 from functools import cached_property
 
 from flashmemory.kvcache.manager.blocks import Level, as_level
@@ -141,3 +142,108 @@ class PlacementPolicy:
             pinned_here = pinned_older(start) - pinned_older(end)
             counts.append(younger(end) - younger(start) - pinned_here)
         return Footprint(tuple(counts))
+
+
+class Locality(Enum):
+    """What a block's access-locality index (ALI) asks of its placement (LocalityPolicy.roles)."""
+
+    DEVICE = "device"  # chosen nearly every step: an L0 copy beside its L1 one
+    HOST = "host"  # chosen often: its L1 copy stays, however old
+    SINK = "sink"  # never chosen over a full history: it leaves L1 early
+
+
+# The seed's bands (seed 004 section 5): ALI > 0.7 -> device, 0.3-0.7 -> host, below -> by age;
+# a block no choice picked over a full history as a candidate sinks. A band also asks for LIFT
+# times the share a block chosen at random would have: with a selection budget near 30 % of the
+# candidates (short histories, selection_min_tokens) every block would pass 0.3 by chance.
+DEVICE_ALI = 0.7
+HOST_ALI = 0.3
+LIFT = 2.0
+
+
+@dataclass(frozen=True)
+class BlockLocality:
+    """A block's access-locality index over its last steps as a selection candidate."""
+
+    ali: float  # the share of its (layer, KV head) choices that picked it, over those steps
+    steps: int  # steps it was a candidate in, within the history window
+    history_steps: int  # the window's length
+    base: float = 0.0  # the share a block chosen at random would have had (budget / candidates)
+
+    def above(self, threshold: float) -> bool:
+        """In a band: over `threshold`, and LIFT times the random share."""
+        return self.ali > threshold and self.ali > LIFT * self.base
+
+
+@dataclass(frozen=True)
+class LocalityPolicy(PlacementPolicy):
+    """The age rule, and on top of it placement by access locality: blocks selection keeps choosing
+    get an L0 copy (up to `device_blocks` a sequence) or keep their L1 copy past their age (up to
+    `host_blocks`), blocks no choice picked over a full history leave L1 for the level below at
+    once. The extra copies are counted in `footprint`, so the scheduler's capacity checks reserve
+    them; `footprint` stays an upper bound (sinking only frees L1)."""
+
+    device_blocks: int = 0  # a sequence's old blocks with an L0 copy by locality, at most
+    host_blocks: int = 0  # a sequence's blocks kept in L1 past their age by locality, at most
+
+    def roles(self, num_blocks: int, locality: dict[int, BlockLocality],
+              pinned: set[int] | frozenset[int] = frozenset()) -> dict[int, Locality]:
+        """Which blocks of a sequence of `num_blocks` full blocks locality places, from their
+        measured locality, the highest ALIs first within each budget (a block the device budget
+        leaves out still stays in L1): DEVICE and HOST as the bands say, SINK for blocks in L1's
+        age band (past the window, not yet past warm_tokens) no choice picked over a full history,
+        the oldest first, as many as `host_blocks` (kept blocks trade places with sunk ones)."""
+        out: dict[int, Locality] = {}
+        device_left, host_left, sink_left = self.device_blocks, self.host_blocks, self.host_blocks
+        window_start = num_blocks - self.window_blocks  # blocks from it on are in the window
+        warm_start = num_blocks - self.warm_end_blocks  # blocks before it are past L1 by age
+        cold = self.cold_zone_enabled
+        for index, seen in sorted(locality.items(), key=lambda item: (-item[1].ali, item[0])):
+            if index in pinned or index >= window_start:
+                continue
+            if seen.above(DEVICE_ALI) and device_left > 0:
+                out[index], device_left = Locality.DEVICE, device_left - 1
+            elif seen.above(HOST_ALI) and cold and index < warm_start and host_left > 0:
+                out[index], host_left = Locality.HOST, host_left - 1
+        for index in sorted(locality):
+            seen = locality[index]
+            if (cold and sink_left > 0 and warm_start <= index < window_start
+                    and index not in pinned and seen.ali == 0
+                    and seen.steps >= seen.history_steps):
+                out[index], sink_left = Locality.SINK, sink_left - 1
+        return out
+
+    def levels_for_role(self, age: int, pinned: bool, role: Locality | None) -> frozenset[int]:
+        """The levels a block `age` blocks old holds a copy on, given its locality role (None: the
+        age rule)."""
+        by_age = self.levels_for(age, pinned)
+        if pinned or role is None or age < self.window_blocks:
+            return by_age
+        if role is Locality.DEVICE:
+            return HOT
+        if role is Locality.HOST:
+            return by_age if Level.HOST in by_age else frozenset({Level.HOST})
+        # SINK: the level after L1, or where the age rule has it already
+        below = self._below_window[1][1] if len(self._below_window) > 1 else by_age
+        return by_age if Level.HOST not in by_age else below
+
+    def footprint(self, num_tokens: int, pinned_spans: Iterable[tuple[int, int]] = ()) -> Footprint:
+        """The age rule's blocks per level plus the copies locality may add: L0 copies of up to
+        `device_blocks` older blocks, L1 copies of up to `device_blocks + host_blocks` blocks past
+        L1's age, and on the level after L1 up to `host_blocks` blocks sunk early."""
+        base = super().footprint(num_tokens, pinned_spans)
+        n = num_tokens // self.block_size
+        counts = list(base.blocks)
+        old = max(0, n - self.window_blocks - self.num_sink_blocks)
+        counts[Level.DEVICE] += min(self.device_blocks, old)
+        if self.cold_zone_enabled and len(counts) > Level.DISK:
+            past_host = max(0, n - self.warm_end_blocks - self.num_sink_blocks)
+            counts[Level.HOST] += min(self.host_blocks + self.device_blocks, past_host)
+            warm_band = max(0, min(n, self.warm_end_blocks) - self.window_blocks)
+            counts[Level.DISK] += min(self.host_blocks, warm_band)
+        return Footprint(tuple(counts))
+
+
+# placement_policy's choices -> the class that carries the rule
+PLACEMENT_POLICIES: dict[str, type[PlacementPolicy]] = {"age": PlacementPolicy,
+                                                        "locality": LocalityPolicy}

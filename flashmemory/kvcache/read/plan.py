@@ -33,7 +33,7 @@ def primary_copy(block: BlockEntry) -> Level:
 def plan_reads(seq_id: int, table: BlockTable, num_tokens: int, digest: torch.Tensor | None,
                devices: dict[Level, torch.device], with_digest: bool,
                copy_of: Callable[[BlockEntry], Level] = primary_copy, skip_oldest: int = 0,
-               skip_newest: int = 0) -> dict[Level, LevelPlan]:
+               skip_newest: int = 0, gathered: dict | None = None) -> dict[Level, LevelPlan]:
     """Per level, the blocks a forward reads from it: each block from the copy `copy_of` picks.
 
     devices: where each level's slot numbers are used (the pool's device; the CPU for a file).
@@ -41,6 +41,8 @@ def plan_reads(seq_id: int, table: BlockTable, num_tokens: int, digest: torch.Te
     selection when `with_digest` (decode steps of query-aware selection).
     skip_oldest, skip_newest: the first and the newest full blocks no level is read for (the forward attends them
     elsewhere).
+    gathered: per level, (indices, digest) of the last gather of candidates that are not one run
+    of blocks, reused while the indices are the same, else made again (SequenceKV.digest_gathers).
     """
     by_level: dict[Level, list[int]] = {level: [] for level in devices}
     for i in range(skip_oldest, len(table.blocks) - skip_newest):
@@ -59,7 +61,11 @@ def plan_reads(seq_id: int, table: BlockTable, num_tokens: int, digest: torch.Te
             assert digest is not None
             if indices[-1] - indices[0] + 1 == len(indices):  # the usual case: one run of blocks, a view
                 level_digest = digest[:, :, indices[0] : indices[-1] + 1]
+            elif gathered is not None and level in gathered and gathered[level][0] == indices:
+                level_digest = gathered[level][1]
             else:
                 level_digest = digest[:, :, torch.as_tensor(indices, device=digest.device)]
+                if gathered is not None:
+                    gathered[level] = (indices, level_digest)
         plans[level] = LevelPlan(indices, slots, slot_tensor, level_digest, seq_id, num_tokens, len(table.blocks))
     return plans

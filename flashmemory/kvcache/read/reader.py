@@ -116,7 +116,8 @@ class BlockReader:
         copy_of = primary_copy if decoding else self._exact_copy
         return plan_reads(seq_id, self.blocks.tables[seq_id], seq.num_tokens, seq.digest, self._devices, with_digest,
                           copy_of, skip_oldest=seq.num_sink // self.cfg.block_size,
-                          skip_newest=seq.num_recent // self.cfg.block_size)
+                          skip_newest=seq.num_recent // self.cfg.block_size,
+                          gathered=seq.digest_gathers if decoding else None)
 
     def _exact_copy(self, block: BlockEntry) -> Level:
         """The fastest copy stored without loss (FP16), else the fastest."""

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from flashmemory.kvcache.manager.blocks import BlockManager, Level
-from flashmemory.kvcache.manager.policy import PlacementPolicy
+from flashmemory.kvcache.manager.policy import (BlockLocality, Locality, LocalityPolicy,
+                                               PlacementPolicy)
 
 
 def _policy(rng: random.Random, cold: bool) -> PlacementPolicy:
@@ -151,3 +152,60 @@ def test_control_plane_under_random_load_holds_exactly_the_policys_footprint(see
         reference_slots = {level: {b.slots[level] for t in blocks.tables.values() for b in t.blocks
                                    if level in b.slots} for level in levels}
         assert {level: len(s) for level, s in reference_slots.items()} == expected
+
+
+def _locality_policy(device_blocks: int = 2, host_blocks: int = 2, cold: bool = True):
+    # 16-token blocks: window ages 0-1, L1 by age 2-3, the level below from age 4
+    return LocalityPolicy(16, active_window_tokens=32, warm_tokens=32, num_sink_blocks=1,
+                          cold_zone_enabled=cold, device_blocks=device_blocks,
+                          host_blocks=host_blocks)
+
+
+def _seen(ali: float, steps: int = 100, base: float = 0.1) -> BlockLocality:
+    return BlockLocality(ali, steps, history_steps=100, base=base)
+
+
+def test_locality_bands_place_blocks_within_their_budgets():
+    p = _locality_policy()
+    n = 12  # blocks 0..11: 0 pinned (sink), 10-11 the window, 8-9 L1 by age, 1-7 below by age
+    seen = {0: _seen(0.9), 1: _seen(0.95), 2: _seen(0.8), 3: _seen(0.75),  # 3: no device room
+            4: _seen(0.5), 5: _seen(0.4), 6: _seen(0.35),  # 6: no host room left
+            7: _seen(0.1), 8: _seen(0.0), 9: _seen(0.0, steps=50), 11: _seen(1.0)}
+    roles = p.roles(n, seen, pinned={0})
+    assert roles == {1: Locality.DEVICE, 2: Locality.DEVICE, 3: Locality.HOST, 4: Locality.HOST,
+                     8: Locality.SINK}  # 9: not a full history yet; 11: in the window
+    assert p.levels_for_role(10, False, Locality.DEVICE) == {Level.DEVICE, Level.HOST}
+    assert p.levels_for_role(10, False, Locality.HOST) == {Level.HOST}
+    assert p.levels_for_role(2, False, Locality.SINK) == {Level.DISK}
+    assert p.levels_for_role(10, False, None) == {Level.DISK}  # the age rule
+    assert p.levels_for_role(0, False, Locality.SINK) == {Level.DEVICE, Level.HOST}  # window
+    # A band asks for twice the share chance gives: with half the candidates chosen, 0.9 is not
+    # locality.
+    assert p.roles(n, {1: _seen(0.9, base=0.5), 3: _seen(0.5, base=0.3)}, pinned={0}) == {}
+    # Without a level below L1 only the device band acts.
+    flat = _locality_policy(cold=False)
+    assert flat.roles(n, seen, pinned={0}) == {1: Locality.DEVICE, 2: Locality.DEVICE}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_locality_footprint_bounds_any_roles_the_policy_gives(seed):
+    """Whatever the measured ALIs, the blocks each level holds under locality's roles stay within
+    the policy's footprint: the scheduler's capacity checks stay right."""
+    rng = random.Random(seed)
+    base = _policy(rng, cold=rng.random() < 0.7)
+    p = LocalityPolicy(base.block_size, base.active_window_tokens, base.warm_tokens,
+                       base.num_sink_blocks, base.cold_zone_enabled,
+                       device_blocks=rng.randint(0, 4), host_blocks=rng.randint(0, 4))
+    for _ in range(20):
+        tokens = rng.randint(0, 600)
+        n = tokens // p.block_size
+        pinned = p.pinned_blocks(n)
+        seen = {i: _seen(rng.choice([0.0, 0.1, 0.5, 0.9]), rng.choice([50, 100]))
+                for i in range(n) if rng.random() < 0.7}
+        roles = p.roles(n, seen, pinned)
+        counts = {level: 0 for level in Level}
+        for i in range(n):
+            for level in p.levels_for_role(n - 1 - i, i in pinned, roles.get(i)):
+                counts[level] += 1
+        fp = p.footprint(tokens)
+        assert all(counts[lv] <= fp.on(lv) for lv in Level), (counts, fp)
