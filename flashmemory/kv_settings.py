@@ -213,6 +213,12 @@ class KVSettings:
         """L2 bytes they may keep (beyond it the least recently used leave)."""
         return int(self.prefix_cache_disk_mb * MIB)
 
+    def locality_device_blocks(self, block_size: int) -> int:
+        """Old blocks a sequence may hold in L0 by placement by locality (0 under the age rule)."""
+        if self.placement_policy != "locality":
+            return 0
+        return self.locality_device_tokens // block_size
+
     @staticmethod
     def kv_field_names() -> list[str]:
         """The KV settings in declaration order (everything reconfigure_kv may change)."""

@@ -66,8 +66,7 @@ def plan_device(engine_cfg: EngineConfig, model_cfg: ModelConfig, weights_bytes:
     workspace = workspace_bytes(model_cfg, engine_cfg.prefill_chunk_tokens, attended, elem)
     device_staging = engine_cfg.device_staging_bytes
     if engine_cfg.max_gpu_memory_mb is None:  # + the old blocks placement by locality may raise
-        locality = (engine_cfg.locality_device_tokens // block_size
-                    if engine_cfg.placement_policy == "locality" else 0)
+        locality = engine_cfg.locality_device_blocks(block_size)
         return DevicePlan(weights_bytes, workspace, filling, slot_bytes,
                           engine_cfg.max_num_seqs * (window_slots + locality), device_staging)
     budget = engine_cfg.max_gpu_memory_mb * MIB

@@ -132,7 +132,7 @@ class TieredCacheConfig(KVSettings):
         if PLACEMENT_POLICIES[self.placement_policy] is PlacementPolicy:
             return age
         per_seq = self.device_slots // self.max_num_seqs
-        device = min(self.locality_device_tokens // self.block_size,
+        device = min(self.locality_device_blocks(self.block_size),
                      max(0, per_seq - age.window_blocks - age.num_sink_blocks))
         host = min(self.locality_host_tokens // self.block_size,
                    max(0, self.host_slots - age.warm_end_blocks - age.num_sink_blocks - device))

@@ -145,7 +145,7 @@ class LocalityTracker:
         n = indices.numel()
         if n == 0:
             return
-        top = int(indices[-1]) + 1 if n == 1 else int(indices.max()) + 1
+        top = int(indices.max()) + 1
         seq = self._seqs.get(choice.seq_id)
         if seq is None:
             seq = self._seqs[choice.seq_id] = _SequenceALI(self.history_steps, max(256, top))

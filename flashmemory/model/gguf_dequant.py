@@ -40,12 +40,11 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 
 def dequantize_torch(raw: np.ndarray, type_name: str) -> torch.Tensor | None:
     """float32 [rows, cols] from raw [rows, bytes per row] uint8, or None when the type is not handled here."""
-    if type_name in FLOAT16_DTYPES:  # [rows, 2 * cols] bytes of 16-bit values
-        data = torch.from_numpy(np.array(raw, copy=True))
-        return data.view(FLOAT16_DTYPES[type_name]).float()
-    if type_name not in BLOCK_BYTES:
+    if type_name not in BLOCK_BYTES and type_name not in FLOAT16_DTYPES:
         return None
     data = torch.from_numpy(np.array(raw, copy=True))  # the file map is read-only; torch wants writable memory
+    if type_name in FLOAT16_DTYPES:  # [rows, 2 * cols] bytes of 16-bit values
+        return data.view(FLOAT16_DTYPES[type_name]).float()
     rows = data.shape[0]
     blocks = data.view(rows, -1, BLOCK_BYTES[type_name])  # [rows, blocks, block_bytes]
     if type_name == "Q8_0":

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flashmemory.model.gguf_dequant import dequantize_torch
+from flashmemory.model.gguf_dequant import FLOAT16_DTYPES, dequantize_torch
 
 # format -> (weights per block, bytes per block); the formats the native GEMV reads (csrc/quant_gemv.c).
 BLOCK_FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
@@ -18,7 +18,7 @@ BLOCK_FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (
                  "F16": (32, 64), "BF16": (32, 64)}
 # The unquantized 16-bit formats among them: kept at 2 bytes a weight (half of float32) and always
 # multiplied with float x (no 8-bit path: csrc/q8_gemv.c refuses them).
-FLOAT16_FORMATS = ("F16", "BF16")
+FLOAT16_FORMATS = tuple(FLOAT16_DTYPES)
 # The formats with an 8-bit activation GEMV (csrc/q8_gemv.c).
 X8_FORMATS = tuple(name for name in BLOCK_FORMATS if name not in FLOAT16_FORMATS)
 
