@@ -35,6 +35,12 @@ class SpeculativeSettings:
         True, "draft fewer tokens for a sequence whose drafts the target keeps less often (each "
         "step at most num_speculative_tokens times the sequence's recent acceptance, at least "
         "one); off (--no-speculative-adaptive): always num_speculative_tokens", negatable=True)
+    speculative_cost_aware: bool = setting(
+        True, "with speculative_adaptive: draft the number of tokens that the measured step costs "
+        "(the target's one-token step, each verified row past it, the proposer's time per draft) "
+        "and the sequence's acceptance say emits tokens fastest, none while plain decoding is "
+        "faster (every 16th step re-measures the other way); timed on steps that decode one "
+        "sequence alone; off (--no-speculative-cost-aware): by acceptance only", negatable=True)
     prompt_lookup_max: int = setting(
         4, "longest n-gram prompt lookup matches (tried first)", unit="tokens", ge=1)
     prompt_lookup_min: int = setting(

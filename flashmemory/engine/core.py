@@ -195,6 +195,11 @@ class EngineCore:
             for seq_id in proposals:
                 self.speculator.settle(self._live[seq_id].seq)  # nothing drafted was kept
             return out + self._contain(e, [seq for seq, _ in plan.scheduled])
+        if self.speculator is not None and len(plan.scheduled) == 1 and not num_prefill_tokens:
+            # one sequence's decode step alone: what a step (or a verification) costs
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the forward's kernels, not their launches
+            self.speculator.observe_step(time.perf_counter() - started, len(input_ids))
         emitted = self._verify(proposals, to_sample, logits)
         # Of a verification: the last token and the kept drafts (the last token alone where it
         # failed).

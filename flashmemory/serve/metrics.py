@@ -132,6 +132,9 @@ SPEC_SERIES = (
                "Tokens verifications produced (kept drafts and the target's own)"),
     StatSeries("spec_decode_fallbacks", "counter",
                "Sequences whose drafting failed; they went on decoding without drafts"),
+    StatSeries("spec_decode_paused_steps", "counter",
+               "Decode steps left without drafts because the measured costs said plain decoding "
+               "was faster (speculative_cost_aware)"),
     StatSeries("spec_decode_acceptance_rate", "gauge",
                "Kept over drafted tokens since start (0-1)"),
 )

@@ -48,7 +48,8 @@ def build_speculator(config: EngineConfig, target: Target,
     else:
         assert draft is not None, "a draft model's checkpoint is opened with the target's"
         proposer = _draft_proposer(config, target, draft)
-    return Speculator(proposer, config.num_speculative_tokens, config.speculative_adaptive)
+    return Speculator(proposer, config.num_speculative_tokens, config.speculative_adaptive,
+                      config.speculative_cost_aware)
 
 
 def _draft_proposer(config: EngineConfig, target: Target,

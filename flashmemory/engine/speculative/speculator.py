@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from flashmemory.engine.sampling import Sampler
 from flashmemory.engine.sequence import Sequence
 from flashmemory.engine.speculative.proposal import Proposal, Proposer
+from flashmemory.engine.speculative.step_costs import StepCosts
 from flashmemory.engine.speculative.verify import accept
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,8 @@ class SpecStats:
     # tokens verifications produced (kept drafts + the target's own)
     spec_decode_emitted_tokens: int = 0
     spec_decode_fallbacks: int = 0  # sequences whose proposer failed; they went on decoding plainly
+    # decode steps left plain because the measured costs said drafting would be slower
+    spec_decode_paused_steps: int = 0
 
     @property
     def spec_decode_acceptance_rate(self) -> float:
@@ -43,26 +47,38 @@ class SpecStats:
 
 # Weight of the newest verification in a sequence's acceptance estimate (adaptive drafting).
 ACCEPTANCE_WEIGHT = 0.5
+# With cost_aware, every this many decode steps of a sequence goes the other way (drafting where
+# it is paused, plain where it drafts), so the acceptance and the costs it rests on stay measured.
+PROBE_STEPS = 16
 
 
 class Speculator:
     """Drafts through `proposer`, at most `num_tokens` a step; with `adaptive`, each sequence's
-    drafts shrink with its recent acceptance."""
+    drafts shrink with its recent acceptance; with `cost_aware` too, a sequence drafts the number
+    of tokens the measured step costs (`costs`) say emits tokens fastest, none where plain decoding
+    is faster."""
 
-    def __init__(self, proposer: Proposer, num_tokens: int, adaptive: bool = True) -> None:
+    def __init__(self, proposer: Proposer, num_tokens: int, adaptive: bool = True,
+                 cost_aware: bool = False) -> None:
         self.proposer = proposer
         self.num_tokens = num_tokens
         self.adaptive = adaptive
+        self.cost_aware = adaptive and cost_aware
+        self.costs = StepCosts()
         self.stats = SpecStats()
         self._plain: set[int] = set()  # sequences whose proposer failed: decoded without drafts
         self._acceptance: dict[int, float] = {}  # per sequence: recent kept / drafted (1 at first)
+        self._steps: dict[int, int] = {}  # per sequence: decode steps asked about (cost_aware)
 
     def propose(self, seq: Sequence, sampler: Sampler, room: int) -> Proposal | None:
         """Drafts for `seq`'s next step: at most `room` (what the step may verify) and the setting;
         None to decode plainly."""
-        limit = min(self.drafts_for(seq.seq_id), room)
-        if limit < 1 or seq.seq_id in self._plain:
+        if seq.seq_id in self._plain:
             return None
+        limit = min(self.drafts_for(seq.seq_id), room)
+        if limit < 1:
+            return None
+        started = time.perf_counter()
         try:
             proposal = self.proposer.propose(seq, limit, sampler)
         except Exception as e:  # noqa: BLE001 - drafting is an optimisation: the sequence goes on
@@ -70,16 +86,37 @@ class Speculator:
             return None
         if proposal is None or not proposal.tokens:
             return None
+        self.costs.observe_drafting(time.perf_counter() - started, len(proposal.tokens))
         proposal.tokens = proposal.tokens[:limit]
         if proposal.probs is not None:
             proposal.probs = proposal.probs[:limit]
         return proposal
 
     def drafts_for(self, seq_id: int) -> int:
-        """Tokens to draft for the sequence's next step (before the step's own limits)."""
+        """Tokens to draft for the sequence's next step (before the step's own limits); each call
+        is one decode step of the sequence."""
         if not self.adaptive:
             return self.num_tokens
-        return max(1, math.ceil(self.num_tokens * self._acceptance.get(seq_id, 1.0)))
+        acceptance = self._acceptance.get(seq_id, 1.0)
+        by_acceptance = max(1, math.ceil(self.num_tokens * acceptance))
+        if not self.cost_aware:
+            return by_acceptance
+        step = self._steps[seq_id] = self._steps.get(seq_id, 0) + 1
+        if self.costs.plain_s is None:  # the first step plain, to time one; else as by acceptance
+            return 0 if step == 1 else by_acceptance
+        best = self.costs.best_drafts(acceptance, self.num_tokens)
+        if step % PROBE_STEPS == 0:
+            return 0 if best else by_acceptance  # the other way, to measure it again
+        self.stats.spec_decode_paused_steps += best == 0
+        return best
+
+    def observe_step(self, seconds: float, rows: int) -> None:
+        """One sequence's decode forward (alone in its step) of `rows` rows took `seconds`: 1, a
+        plain step; more, a verification."""
+        if rows == 1:
+            self.costs.observe_plain(seconds)
+        else:
+            self.costs.observe_verification(seconds, rows)
 
     def verify(self, seq_id: int, proposal: Proposal, logits: torch.Tensor,
                sampler: Sampler) -> list[int]:
@@ -116,6 +153,7 @@ class Speculator:
     def release(self, seq_id: int) -> None:
         self._plain.discard(seq_id)
         self._acceptance.pop(seq_id, None)
+        self._steps.pop(seq_id, None)
         try:
             self.proposer.release(seq_id)
         except Exception as e:  # noqa: BLE001 - freeing a draft's KV must not fail the target's

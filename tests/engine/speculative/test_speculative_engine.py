@@ -20,12 +20,15 @@ from tests.helpers import CORPUS, write_tiny_model
 # Blocks of 8 tokens, two each on L0 and L1, the rest on L2: the answers below reach every level.
 TIERED = dict(block_size=8, active_window=16, warm_tokens=16, prefill_chunk_tokens=24,
               recent_fp16_tokens=8)
+# The drafts these tests check are drafted at every step: a tiny model's measured step costs
+# would pause drafting at random (speculative_cost_aware, tested in test_step_costs.py).
+EVERY_STEP = dict(speculative_cost_aware=False)
 CACHES = {
     # float32 with GGUF blocks (q8_0): the native GEMV and attention, each row the same bits
-    "tiered-q8": dict(TIERED, weights_dtype="q8_0"),
+    "tiered-q8": dict(TIERED, weights_dtype="q8_0", **EVERY_STEP),
     # dense float64: torch's kernels, whose few-row products differ from one row only at 1e-16
-    "tiered-f64": dict(TIERED, dtype="float64"),
-    "contiguous-q8": dict(kv_cache="contiguous", weights_dtype="q8_0"),
+    "tiered-f64": dict(TIERED, dtype="float64", **EVERY_STEP),
+    "contiguous-q8": dict(kv_cache="contiguous", weights_dtype="q8_0", **EVERY_STEP),
 }
 # Repetitive prompts, so prompt lookup finds matches and the answers quote them.
 PROMPTS = ["one two three four five six seven one two three four five six seven one two",
@@ -149,6 +152,25 @@ def test_a_draft_that_fails_mid_request_falls_back_to_plain_decoding(models, tmp
     assert _greedy(spec, PROMPTS[1]) == _greedy(plain, PROMPTS[1])
     assert spec.speculator.stats.spec_decode_fallbacks == 1
     assert proposer._states == {} and proposer.cache.sequence_ids() == []  # its KV freed
+    spec.close(), plain.close()
+
+
+def test_drafting_pauses_where_the_measured_costs_say_it_is_slower(models, tmp_path):
+    """With speculative_cost_aware (the default), a draft that costs far more than it saves drafts
+    only on the probe steps; the output stays the target's own."""
+    settings = dict(CACHES["tiered-q8"], max_seq_len=256, cold_zone_dir=str(tmp_path),
+                    speculative_cost_aware=True)
+    plain = FlashMemoryEngine(str(models / "target"), **settings)
+    spec = FlashMemoryEngine(str(models / "target"), draft_model_path=str(models / "near"),
+                             **settings)
+    costs = spec.speculator.costs
+    costs.observe_plain(0.001)
+    costs.observe_drafting(100.0, 1)  # as if each draft took 100 s
+    assert _greedy(spec, PROMPTS[1], 48) == _greedy(plain, PROMPTS[1], 48)
+    stats = spec.speculator.stats
+    assert 1 <= stats.spec_decode_num_drafts <= 48 // 16  # the probes
+    # every other decode step plain (a probe emits up to 6 tokens in one step)
+    assert stats.spec_decode_paused_steps >= 47 - 6 * stats.spec_decode_num_drafts
     spec.close(), plain.close()
 
 
