@@ -16,7 +16,7 @@ import torch
 from flashmemory.engine.sampling import Sampler
 from flashmemory.engine.sequence import Sequence
 from flashmemory.engine.speculative.proposal import Proposal, Proposer
-from flashmemory.engine.speculative.step_costs import StepCosts
+from flashmemory.engine.speculative.step_costs import MAX_ACCEPTANCE, StepCosts
 from flashmemory.engine.speculative.verify import accept
 
 logger = logging.getLogger(__name__)
@@ -47,8 +47,9 @@ class SpecStats:
 
 # Weight of the newest verification in a sequence's acceptance estimate (adaptive drafting).
 ACCEPTANCE_WEIGHT = 0.5
-# With cost_aware, every this many decode steps of a sequence goes the other way (drafting where
-# it is paused, plain where it drafts), so the acceptance and the costs it rests on stay measured.
+# With cost_aware, every this many decode steps of a sequence goes the other way (plain where it
+# drafts; drafting where it is paused and a better acceptance could pay), so the acceptance and
+# the costs it rests on stay measured.
 PROBE_STEPS = 16
 
 
@@ -105,10 +106,15 @@ class Speculator:
         if self.costs.plain_s is None:  # the first step plain, to time one; else as by acceptance
             return 0 if step == 1 else by_acceptance
         best = self.costs.best_drafts(acceptance, self.num_tokens)
-        if step % PROBE_STEPS == 0:
-            return 0 if best else by_acceptance  # the other way, to measure it again
-        self.stats.spec_decode_paused_steps += best == 0
-        return best
+        if best == 0:
+            # A probe re-measures the acceptance (and makes a draft model catch up on the
+            # tokens it skipped): only where a better acceptance could make drafting pay.
+            at_best = self.costs.best_drafts(MAX_ACCEPTANCE, self.num_tokens)
+            if at_best and step % PROBE_STEPS == 0:
+                return at_best
+            self.stats.spec_decode_paused_steps += 1
+            return 0
+        return 0 if step % PROBE_STEPS == 0 else best  # a plain step re-measures its cost
 
     def observe_step(self, seconds: float, rows: int) -> None:
         """One sequence's decode forward (alone in its step) of `rows` rows took `seconds`: 1, a

@@ -156,8 +156,8 @@ def test_a_draft_that_fails_mid_request_falls_back_to_plain_decoding(models, tmp
 
 
 def test_drafting_pauses_where_the_measured_costs_say_it_is_slower(models, tmp_path):
-    """With speculative_cost_aware (the default), a draft that costs far more than it saves drafts
-    only on the probe steps; the output stays the target's own."""
+    """With speculative_cost_aware (the default), a draft that costs far more than it could ever
+    save drafts nothing at all (not even probes); the output stays the target's own."""
     settings = dict(CACHES["tiered-q8"], max_seq_len=256, cold_zone_dir=str(tmp_path),
                     speculative_cost_aware=True)
     plain = FlashMemoryEngine(str(models / "target"), **settings)
@@ -168,9 +168,8 @@ def test_drafting_pauses_where_the_measured_costs_say_it_is_slower(models, tmp_p
     costs.observe_drafting(100.0, 1)  # as if each draft took 100 s
     assert _greedy(spec, PROMPTS[1], 48) == _greedy(plain, PROMPTS[1], 48)
     stats = spec.speculator.stats
-    assert 1 <= stats.spec_decode_num_drafts <= 48 // 16  # the probes
-    # every other decode step plain (a probe emits up to 6 tokens in one step)
-    assert stats.spec_decode_paused_steps >= 47 - 6 * stats.spec_decode_num_drafts
+    assert stats.spec_decode_num_drafts == 0
+    assert stats.spec_decode_paused_steps >= 40  # every decode step (but where a block ends)
     spec.close(), plain.close()
 
 

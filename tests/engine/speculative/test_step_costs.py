@@ -83,16 +83,28 @@ class _Seq:
     seq_id = 7
 
 
-def test_a_paused_sequence_probes_every_16th_step():
+def test_a_paused_sequence_probes_every_16th_step_where_acceptance_could_pay():
     spec = Speculator(_Counting(), 4, adaptive=True, cost_aware=True)
     assert spec.drafts_for(7) == 0  # the first step is plain: it times one
     spec.observe_step(0.050, rows=1)
     assert spec.drafts_for(7) == 4  # unmeasured rows and drafts count as free
-    spec.costs = _costs(0.050, 0.030, 0.030)  # then measured: drafting is slower
+    # measured: cheap drafts, but this sequence's drafts are mostly rejected
+    spec.costs = _costs(0.050, 0.005, 0.005)
+    spec._acceptance[7] = 0.1
     counts = [spec.drafts_for(7) for _ in range(2 * PROBE_STEPS)]
     probes = [i for i, k in enumerate(counts) if k]
     assert len(probes) == 2 and all((i + 3) % PROBE_STEPS == 0 for i in probes)
     assert spec.stats.spec_decode_paused_steps == 2 * PROBE_STEPS - 2
+
+
+def test_no_probe_where_even_every_draft_kept_would_not_pay():
+    """A draft model that costs most of a target step: the probes (which make it catch up on
+    every token it skipped) would only slow decoding down."""
+    spec = Speculator(_Counting(), 4, adaptive=True, cost_aware=True)
+    spec.costs = _costs(0.050, 0.030, 0.030)
+    assert spec.costs.best_drafts(0.98, 4) == 0
+    assert [spec.drafts_for(7) for _ in range(3 * PROBE_STEPS)] == [0] * (3 * PROBE_STEPS)
+    assert spec.stats.spec_decode_paused_steps == 3 * PROBE_STEPS
 
 
 def test_a_drafting_sequence_takes_a_plain_step_every_16th():
