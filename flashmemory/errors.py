@@ -57,6 +57,10 @@ class ColdBlockError(FlashMemoryError, OSError):
         self.reason = reason  # "missing" | "truncated" | "checksum" | "header"
 
 
+class RemoteUnavailableError(FlashMemoryError, ConnectionError):
+    """The shared KV level (remote_kv_url) cannot be reached and remote_kv_required is set."""
+
+
 class MemoryBudgetError(ConfigError):
     """The device-memory budget cannot hold the weights, the workspace and the hot KV window."""
 

@@ -5,12 +5,20 @@ cache built without the engine (tests, MATS) runs the product's defaults too. St
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 from flashmemory.errors import ConfigError
 from flashmemory.settings import check_settings, setting
 
 MIB = 2**20
+REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
+NAMESPACE_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def redacted_url(url: str) -> str:
+    """A URL with its password (if any) replaced, for messages and logs."""
+    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
 
 
 @dataclass
@@ -176,6 +184,27 @@ class KVSettings:
     budget_controller_min_fraction: float = setting(
         0.5, "lowest L0 budget the budget controller may set, as a fraction of the L0 pool sized "
         "at start-up (never below one sequence's window)", unit="fraction", gt=0, le=1)
+    remote_kv_url: str | None = setting(
+        None, "redis://[:PASSWORD@]HOST:PORT[/DB] (or rediss://, unix://) of a KV level every "
+        "replica shares: full blocks a prefill computed are published there, and a prompt's "
+        "blocks missing here are read from it before they would be computed "
+        "(kvcache/remote/, docs/cluster.md); None = off")
+    remote_kv_namespace: str = setting(
+        "default", "replicas that share blocks name the same namespace (in every key: "
+        "fm:v1:NAMESPACE:HASH); blocks of another model, precision or block size are never "
+        "shared, whatever the namespace")
+    remote_kv_ttl_s: int = setting(
+        86400, "how long a published block lives in the shared level", unit="s", ge=1)
+    remote_kv_max_mb: int | None = setting(
+        None, "publish blocks only while Redis' used_memory is under this; None = Redis' own "
+        "maxmemory decides (an evicted block is a miss)", unit="MiB", ge=1)
+    remote_kv_timeout_ms: float = setting(
+        500.0, "longest wait for one round trip to the shared level (a lookup of up to 32 "
+        "blocks, a write); after a failure it is left alone for 1 s, doubling to 30 s, and "
+        "prompts are computed here", unit="ms", gt=0)
+    remote_kv_required: bool = setting(
+        False, "refuse to start when remote_kv_url does not answer; off: a warning, and the "
+        "local levels alone until it answers")
 
     def __post_init__(self) -> None:
         check_settings(self, KVSettings)  # types, bounds and choices, as each field's Setting says
@@ -187,10 +216,30 @@ class KVSettings:
             raise ConfigError(
                 f"device_staging_mb={self.device_staging_mb} needs a prefetcher to fill it: set "
                 "prefetch_strategy to 'adaptive' or 'aggressive', or device_staging_mb=0")
+        self._check_remote()
         bs = self.block_size
         if isinstance(bs, int) and self.active_window < bs:
             raise ConfigError(
                 f"active_window={self.active_window} must be at least block_size={bs}")
+
+    def _check_remote(self) -> None:
+        url = self.remote_kv_url
+        if url is None:
+            return
+        if not url.startswith(REMOTE_SCHEMES):
+            raise ConfigError(f"remote_kv_url={redacted_url(url)!r} is not a Redis URL: write "
+                              "redis://HOST:PORT/DB (rediss:// with TLS, unix:///PATH)")
+        if self.kv_cache != "tiered":
+            raise ConfigError("remote_kv_url is a level of the tiered cache: set kv_cache='tiered' "
+                              "or leave remote_kv_url unset")
+        if not NAMESPACE_RE.fullmatch(self.remote_kv_namespace):
+            raise ConfigError(f"remote_kv_namespace={self.remote_kv_namespace!r}: use 1-64 "
+                              "letters, digits, '.', '_' or '-'")
+
+    @property
+    def remote_kv_max_bytes(self) -> int | None:
+        """Redis' used_memory under which blocks are published (None: no cap of ours)."""
+        return None if self.remote_kv_max_mb is None else int(self.remote_kv_max_mb * MIB)
 
     # The byte sizes the cache and the sizing work in, from the MiB settings (one fact, one field).
     @property

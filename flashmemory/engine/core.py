@@ -110,6 +110,8 @@ class EngineCore:
             self._refused.append((sink, SequenceOutput(request.index, "", 0, None, error=reason, exception=error)))
             self.observer.on_finished("error", None)
             return seq_id
+        if not seq.skip_prefix_reuse:
+            self._import_shared(seq.prompt_ids)
         if self.gate is not None:
             sink = self.gate.wrap(seq_id, sink)
         self._live[seq_id] = _Live(seq, request, Sampler(request.params, self.device),
@@ -117,6 +119,17 @@ class EngineCore:
                                    StopStringMatcher(request.params.stop), sink)
         self.scheduler.add(seq)
         return seq_id
+
+    def _import_shared(self, prompt_ids: list[int]) -> None:
+        """The prompt's blocks a shared level holds past the local prefix become cached blocks
+        here before it is scheduled (each network call bounded by remote_kv_timeout_ms)."""
+        try:
+            self.cache.import_shared_prefix(prompt_ids)
+        except Exception as e:  # noqa: BLE001 - an optimisation: the prompt is computed instead
+            if is_fatal(e, self.device):
+                raise
+            logger.error("reading the shared KV level failed (%s: %s); the prompt is computed",
+                         type(e).__name__, e, exc_info=True)
 
     def abort(self, seq_id: int) -> None:
         """Stop a sequence and free its KV on every level; no more outputs are sent for it."""

@@ -108,9 +108,14 @@ class KVCache(ABC):
     def kv_capacity(self) -> KVCapacity:
         """What the cache can hold (blocks per level and the placement policy), for the scheduler's checks."""
 
-    def reuse_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+    def reuse_prefix(self, seq_id: int, token_ids: list[int], count: bool = True) -> int:
         """Attach cached KV of the longest known prefix of `token_ids` to a new sequence; the tokens reused (a cache
         without a prefix cache reuses none)."""
+        return 0
+
+    def import_shared_prefix(self, token_ids: list[int]) -> int:
+        """Install the blocks of `token_ids` a shared level holds past the local prefix, as cached
+        blocks (kvcache/remote/importer.py); returns how many. A cache without one installs none."""
         return 0
 
     def preload_prefix(self, token_ids: list[int],

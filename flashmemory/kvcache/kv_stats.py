@@ -222,6 +222,32 @@ class LocalityStats:
 
 
 @dataclass
+class RemoteStats:
+    """remote_kv_url: what the shared level did since start-up (kvcache/remote/)."""
+
+    remote_kv_lookups: int  # prompts looked up past their local prefix
+    remote_kv_hit_blocks: int  # blocks read from the shared level and installed here
+    remote_kv_miss_blocks: int  # lookups that ended at a name with no (believable) value
+    remote_kv_published_blocks: int  # blocks this replica wrote
+    remote_kv_existing_blocks: int  # blocks another replica had written first
+    remote_kv_network_failures: int  # calls that timed out or lost the connection
+    remote_kv_available: int  # 1: Redis answered the last call; 0: it did not
+    # blocks not published, by reason: down, cap (remote_kv_max_mb), full (Redis refused), queue
+    publish_skipped: dict[str, int] = field(default_factory=dict)
+    # values read but not served, by reason (block_record.py's; "capacity": no room here)
+    load_failures: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Number]:
+        out: dict[str, Number] = {name: getattr(self, name) for name in _field_names(type(self))
+                                  if name.startswith("remote_kv_")}
+        for reason, n in sorted(self.publish_skipped.items()):
+            out[f"remote_kv_publish_skipped_{reason}"] = n
+        for reason, n in sorted(self.load_failures.items()):
+            out[f"remote_kv_load_failures_{reason}"] = n
+        return out
+
+
+@dataclass
 class BudgetStats:
     """The L0 budget the budget controller moves (engine/budget_controller.py)."""
 
@@ -257,6 +283,7 @@ class KVStats:
     prefetch: PrefetchStats | None = None
     staging: StagingStats | None = None
     locality: LocalityStats | None = None
+    remote: RemoteStats | None = None  # remote_kv_url: the shared level
     budget: BudgetStats | None = None  # set by the engine when a budget controller runs
     contiguous: ContiguousStats | None = None
 
@@ -293,4 +320,6 @@ class KVStats:
         for part in (self.persist, self.prefetch, self.staging, self.locality, self.budget):
             if part is not None:
                 out.update(_present(part))
+        if self.remote is not None:
+            out.update(self.remote.as_dict())
         return out

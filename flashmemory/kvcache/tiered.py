@@ -44,6 +44,8 @@ from flashmemory.kvcache.read.choice import ChoiceObserver
 from flashmemory.kvcache.read.reader import BlockReader
 from flashmemory.kvcache.read.selection import key_digest
 from flashmemory.kvcache.recent_rows import RecentRows, row_layout
+from flashmemory.kvcache.remote.importer import import_shared_prefix
+from flashmemory.kvcache.remote.shared_level import SharedLevel, shared_level_for
 from flashmemory.kvcache.sequence_state import SequenceKV
 
 
@@ -97,6 +99,10 @@ class TieredKVCache(KVCache):
             self.sessions = CacheSessions(self.prefix_cache, self.blocks, self.levels,
                                           self.placement, self._computed_digest,
                                           self._prefix_store(), cfg.block_size)
+        # The level every replica shares (remote_kv_url), after the local ones; None = off.
+        self.shared: SharedLevel | None = (shared_level_for(cfg) if self.prefix_cache is not None
+                                           else None)
+        self.importing = False  # blocks being installed from it (not published back)
         prefetch = build_prefetch(cfg, self.levels)
         self.prefetcher: Prefetcher | None = None
         self.device_staging: DeviceStaging | None = prefetch.device_staging
@@ -184,15 +190,15 @@ class TieredKVCache(KVCache):
         for level, slot in self.blocks.drop_cached():
             self.levels[level].free(slot)
 
-    def reuse_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+    def reuse_prefix(self, seq_id: int, token_ids: list[int], count: bool = True) -> int:
         """Give a new (empty) sequence the cached blocks of the longest prefix of `token_ids` they hold (not the last
         token; not past a block that lost its L1 master where the prefill after it reads FP16), brought up to the
         levels the policy wants; returns the number of tokens reused (their prefill is skipped)."""
         seq = self.seqs[seq_id]
         if self.prefix_cache is None or seq.num_tokens or not token_ids:
             return 0
-        found = self.prefix_cache.match(token_ids, (len(token_ids) - 1) // self.cfg.block_size,  # counted
-                                        needs_master=self.policy.keeps_master)
+        found = self.prefix_cache.match(token_ids, (len(token_ids) - 1) // self.cfg.block_size,
+                                        count=count, needs_master=self.policy.keeps_master)
         for entry in found:
             self.blocks.share(seq_id, entry)
         for i, entry in enumerate(found):  # block by block, so a read that fails names its block
@@ -219,6 +225,9 @@ class TieredKVCache(KVCache):
     def preload_prefix(self, token_ids: list[int],
                        should_stop: Callable[[], str | None] = lambda: None) -> PreloadResult:
         return preload_prefix(self, token_ids, should_stop)
+
+    def import_shared_prefix(self, token_ids: list[int]) -> int:
+        return import_shared_prefix(self, token_ids)
 
     def _digest_of(self, block: BlockEntry) -> torch.Tensor:
         """A cached block's key digest [num_layers, num_kv_heads, 2 * head_dim]: the one saved with it when it was
@@ -400,6 +409,11 @@ class TieredKVCache(KVCache):
         # Digest for selection: per layer and KV head, the centre and radius of the block's key channels.
         seq.record_digest(index, key_digest(k, self.cfg.digest_box_tokens))  # [L, heads, boxes*2D]
         self._name_block(seq, seq_id, index, nameable)
+        if self.shared is not None and nameable and not self.importing:
+            entry = self.blocks.tables[seq_id].blocks[index]
+            named = entry.block_hash is not None
+            if named and self.prefix_cache.index.get(entry.block_hash) is entry:
+                self.shared.publish(entry.block_hash, entry.token_ids, k, v)
 
     def _name_block(self, seq: SequenceKV, seq_id: int, index: int, register: bool = True) -> None:
         """Name a full block by its chain hash when its tokens are known; `register`: enter it in the prefix cache."""
@@ -459,6 +473,8 @@ class TieredKVCache(KVCache):
         return self.sessions
 
     def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
         if self.sessions is not None:
             self.sessions.close()
         if self.prefetcher is not None:

@@ -32,6 +32,8 @@ def tiered_stats(cache: TieredCache) -> KVStats:
         stats.staging = StagingStats(**cache.device_staging.stats())
     if cache.locality is not None:
         stats.locality = LocalityStats(**cache.locality.stats())
+    if cache.shared is not None:
+        stats.remote = cache.shared.stats()
     return stats
 
 

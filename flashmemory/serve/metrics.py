@@ -122,6 +122,25 @@ SELECTION_SERIES = (
 )
 
 
+# The shared level (remote_kv_url), fields of RemoteStats; its values not served are in
+# kv_load_failures under tier="remote".
+REMOTE_SERIES = (
+    StatSeries("remote_kv_lookups", "counter",
+               "Prompts looked up in the shared KV level past their local prefix"),
+    StatSeries("remote_kv_hit_blocks", "counter",
+               "KV blocks read from the shared level instead of computed"),
+    StatSeries("remote_kv_miss_blocks", "counter",
+               "Shared-level lookups that ended at a block it did not hold (or not believably)"),
+    StatSeries("remote_kv_published_blocks", "counter", "KV blocks this replica published"),
+    StatSeries("remote_kv_existing_blocks", "counter",
+               "KV blocks another replica had published first"),
+    StatSeries("remote_kv_network_failures", "counter",
+               "Calls to the shared level that timed out or lost the connection"),
+    StatSeries("remote_kv_available", "gauge",
+               "1 when the shared level answered the last call; 0 when it did not"),
+)
+
+
 # Speculative decoding (vLLM's spec_decode names), fields of SpecStats; exported only when the
 # engine drafts.
 SPEC_SERIES = (
@@ -214,6 +233,13 @@ class _KVCollector(Collector):
                 prefix_evicted.add_metric(lv, level.prefix_evicted_blocks)
         for move in s.moves:
             moved.add_metric([self.model_name, move.dest, move.source], move.bytes)
+        skipped = family("counter", "remote_kv_publish_skipped", "KV blocks not published to "
+                         "the shared level, by reason (down, cap, full, queue)", ["reason"])
+        if s.remote is not None:
+            for reason, n in s.remote.load_failures.items():
+                failures.add_metric([self.model_name, "remote", reason], n)
+            for reason, n in s.remote.publish_skipped.items():
+                skipped.add_metric([self.model_name, "remote", reason], n)
         yield from (usage, blocks, blocks_total, nbytes, capacity, selected, moved, read, failures,
                     committed, cached, reclaimable, fragmentation, reclaimed)
         if s.prefix is not None:
@@ -223,6 +249,9 @@ class _KVCollector(Collector):
         yield from self._series(s.prefetch, PREFETCH_SERIES)
         yield from self._series(s.staging, STAGING_SERIES)
         yield from self._series(s.locality, LOCALITY_SERIES)
+        if s.remote is not None:
+            yield skipped
+        yield from self._series(s.remote, REMOTE_SERIES)
         yield from self._series(self.spec, SPEC_SERIES)
         yield from self._budget()
 

@@ -12,10 +12,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flashmemory import FlashMemoryEngine
 from flashmemory.kvcache.kv_stats import (BudgetStats, LocalityStats, PersistStats, PrefetchStats,
-                                          StagingStats)
+                                          RemoteStats, StagingStats)
 from flashmemory.kvcache.tiered import TieredKVCache
 from flashmemory.serve.metrics import (LOCALITY_SERIES, PREFETCH_SERIES, PREFIX_SERIES,
-                                       SELECTION_SERIES, STAGING_SERIES, ServerMetrics)
+                                       REMOTE_SERIES, SELECTION_SERIES, STAGING_SERIES,
+                                       ServerMetrics)
 from tests.kvcache.synthetic import SyntheticSequence, tiny_config
 
 P = "flashmemory:"
@@ -76,6 +77,8 @@ def _every_part(tmp_path):
     stats.prefetch, stats.staging = numbered(PrefetchStats), numbered(StagingStats)
     stats.persist, stats.budget = numbered(PersistStats), numbered(BudgetStats)
     stats.locality = numbered(LocalityStats)
+    stats.remote = RemoteStats(1, 2, 3, 4, 5, 6, 1, publish_skipped={"queue": 7},
+                               load_failures={"checksum": 8})
     return stats
 
 
@@ -91,7 +94,7 @@ def test_every_metric_series_reads_a_typed_stat(tmp_path):
     m = _exposition(stats)
     for table, record in ((PREFIX_SERIES, stats.prefix), (PREFETCH_SERIES, stats.prefetch),
                           (STAGING_SERIES, stats.staging), (SELECTION_SERIES, stats.selection),
-                          (LOCALITY_SERIES, stats.locality)):
+                          (LOCALITY_SERIES, stats.locality), (REMOTE_SERIES, stats.remote)):
         for entry in table:
             assert entry.key in {f.name for f in dataclasses.fields(record)}, entry.key
             (sample,) = m[P + entry.key].samples
@@ -110,6 +113,16 @@ def test_every_metric_series_reads_a_typed_stat(tmp_path):
     assert {s.labels["tier"] for s in m[P + "kv_selected_fraction"].samples} == {"L1", "L2"}
     reasons = {s.labels["reason"] for s in m[P + "kv_load_failures"].samples}
     assert reasons == {"missing", "truncated", "checksum", "header"}
+    remote = {(s.labels["tier"], s.labels["reason"]): s.value
+              for s in m[P + "kv_load_failures"].samples if s.name.endswith("_total")}
+    assert remote[("remote", "checksum")] == 8
+    (skipped,) = [s for s in m[P + "remote_kv_publish_skipped"].samples
+                  if s.name.endswith("_total")]
+    assert skipped.labels == {"model_name": "tiny", "tier": "remote", "reason": "queue"}
+    assert skipped.value == 7
+    flat = stats.as_dict()
+    assert flat["remote_kv_publish_skipped_queue"] == 7
+    assert flat["remote_kv_load_failures_checksum"] == 8
     budget = next(s for s in m[P + "kv_budget_bytes"].samples)
     assert budget.value == stats.budget.L0_budget_bytes
     assert m[P + "device_utilization"].samples[0].value == stats.budget.device_utilization

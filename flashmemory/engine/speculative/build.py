@@ -75,6 +75,9 @@ def _draft_proposer(config: EngineConfig, target: Target,
                    + f":draft-of={target.fingerprint}")
     if config.persist_cache and config.cold_zone_dir is not None:  # the target locks its own
         config = config.replace(cold_zone_dir=str(Path(config.cold_zone_dir) / DRAFT_FOLDER))
+    # The shared level holds the target's blocks: the draft reads its prompts through its own
+    # levels (it never looks the shared level up, so it does not publish to it either).
+    config = config.replace(remote_kv_url=None)
     plan = device_plan_for(config, checkpoint.config, target.max_seq_len, target.dtype,
                            model.num_parameter_bytes())
     cache = build_kv_cache(config, checkpoint.config, plan, target.max_seq_len, target.device,
