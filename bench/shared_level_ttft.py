@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from flashmemory import FlashMemoryEngine
-from flashmemory.cpu_features import flags_line
+from flashmemory.cpu_features import describe
 from flashmemory.tools.redis_server import LocalRedis
 
 TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "lcet10.txt"
@@ -66,7 +66,9 @@ def main() -> None:
         a.cache.shared.flush()
         published = a.stats()
         a.close()
-        print(f"load {os.getloadavg()}; {flags_line()}\n{len(doc)}-token document; replica A's "
+        cpu = describe()
+        print(f"load {os.getloadavg()}; CPU {cpu['model']} ({', '.join(cpu['flags'])})\n"
+              f"{len(doc)}-token document; replica A's "
               f"prefill TTFT {first:.2f} s, {published['remote_kv_published_blocks']} blocks "
               f"published ({time.perf_counter() - started:.1f} s); Redis used_memory "
               f"{redis.client().info('memory')['used_memory']:,} bytes\n")
@@ -94,7 +96,7 @@ def main() -> None:
             args.json.write_text(json.dumps({"doc_tokens": len(doc), "threads": args.threads,
                                              "publisher_ttft_s": first, "rounds": rows,
                                              "ttft_median_s": ttft, "same_answer": same,
-                                             "cpu": flags_line()}, indent=1))
+                                             "cpu": cpu}, indent=1))
 
 
 if __name__ == "__main__":
