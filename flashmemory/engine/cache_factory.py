@@ -15,15 +15,18 @@ from flashmemory.kvcache.contiguous import ContiguousKVCache
 from flashmemory.kvcache.device_budget import DeviceBudget
 from flashmemory.kvcache.interface import KVCache
 from flashmemory.kvcache.tiered import TieredKVCache
+from flashmemory.model.content_digest import model_content_digest
 from flashmemory.model.model_config import ModelConfig
 
 
 def kv_fingerprint_source(model_path: object, model_config: ModelConfig, dtype: torch.dtype,
                           weights_dtype: str) -> str:
-    """What a model's KV depends on besides the tokens: the model file and config, the activation
-    dtype and how the weights are kept (the same prompt's KV under other weights or dtype must not
-    be reused)."""
-    return f"{model_path}:{model_config}:{dtype}:weights={weights_dtype}"
+    """What a model's KV depends on besides the tokens: the model's bytes (not its path: replicas
+    that load one file from different places share its blocks), its config, the activation dtype
+    and how the weights are kept (the same prompt's KV under other weights or dtype must not be
+    reused)."""
+    digest = model_content_digest(model_path)
+    return f"sha256={digest}:{model_config}:{dtype}:weights={weights_dtype}"
 
 
 def check_budgets(config: EngineConfig) -> None:

@@ -6,6 +6,7 @@ and comes back, leaves every answer right."""
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 
 import pytest
@@ -42,7 +43,10 @@ def test_a_document_prefilled_by_one_engine_is_read_by_another(tiny_llama, tmp_p
     a.cache.shared.flush()
     published = a.stats()["remote_kv_published_blocks"]
     assert published >= len(a.tokenizer.encode(DOCUMENT)) // 8 - 1
-    b = _engine(tiny_llama, tmp_path / "b", redis_server.url, **knobs)
+    # replica B loads the same model from another path: its blocks have the same names
+    copy = tmp_path / "model-copy"
+    shutil.copytree(tiny_llama, copy)
+    b = _engine(copy, tmp_path / "b", redis_server.url, **knobs)
     got = _answer(b, "What was Alice doing?")
     stats = b.stats()
     assert stats["remote_kv_hit_blocks"] >= published - 2  # all but the question's blocks
